@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The test command: set up, then run the whole suite. Without a GPU the Triton kernels run in Triton's interpreter
+# (tests/conftest.py sets TRITON_INTERPRET=1 when CUDA is absent).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+bash scripts/setup.sh
+exec "${PYTHON:-python3}" -m pytest -q -n 2 tests "$@"

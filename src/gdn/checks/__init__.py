@@ -1,0 +1,63 @@
+"""``gdn check``: every op against the float64 reference on the current device.
+
+Each module listed in ``MODULES`` registers check functions with :func:`register`; a check takes the device and
+returns a list of :class:`Result`. A module that fails to import counts as a failed check.
+"""
+from __future__ import annotations
+
+import importlib
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable, List
+
+import torch
+
+MODULES = ["gate", "recurrent", "decode", "chunk", "chunk_backward", "conv", "norm", "layer"]
+
+
+@dataclass
+class Result:
+    op: str
+    case: str
+    rel_err: float
+    tol: float
+    note: str = ""
+    passed: bool = field(init=False)
+
+    def __post_init__(self):
+        self.passed = bool(self.rel_err <= self.tol)
+
+
+_CHECKS: List[Callable[[torch.device], List[Result]]] = []
+
+
+def register(fn):
+    _CHECKS.append(fn)
+    return fn
+
+
+def run_all(device: torch.device, only=None, progress=None) -> List[Result]:
+    results: List[Result] = []
+    for name in MODULES:
+        if only and name not in only:
+            continue
+        try:
+            importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name == f"{__name__}.{name}":
+                continue  # op not built yet
+            results.append(Result(name, "import", float("inf"), 0.0, note=repr(e)))
+        except Exception as e:  # pragma: no cover - reported as a failure
+            results.append(Result(name, "import", float("inf"), 0.0, note=repr(e)))
+    for fn in list(_CHECKS):
+        mod = fn.__module__.rsplit(".", 1)[-1]
+        if only and mod not in only:
+            continue
+        try:
+            results.extend(fn(device))
+        except Exception as e:
+            results.append(Result(mod, fn.__name__, float("inf"), 0.0, note="".join(
+                traceback.format_exception_only(type(e), e)).strip()))
+        if progress:
+            progress(fn.__name__)
+    return results

@@ -1,0 +1,154 @@
+"""Argument checks shared by the public ops.
+
+Every check runs before any kernel launches and raises ``TypeError`` (wrong type or dtype) or ``ValueError`` (wrong
+shape, value or device) whose message names the argument, what was received and what was expected.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+LAYOUTS = ("v_last", "k_last")
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).replace("torch.", "")
+
+
+def tensor(name: str, x, *, ndim: Optional[int] = None, dtypes: Optional[Iterable[torch.dtype]] = None,
+           device: Optional[torch.device] = None, shape_doc: str = "") -> torch.Tensor:
+    """Check that ``x`` is a tensor of rank ``ndim`` with a dtype in ``dtypes`` on ``device``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor{' ' + shape_doc if shape_doc else ''}, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor {shape_doc}, got shape {tuple(x.shape)}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if x.dtype not in dtypes:
+            raise TypeError(f"{name}: expected dtype in ({', '.join(_dt(d) for d in dtypes)}), got {_dt(x.dtype)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (the device of q), got {x.device}")
+    return x
+
+
+def shape(name: str, x: torch.Tensor, expected: Sequence[Optional[int]], doc: str) -> None:
+    """``expected`` holds ints or None (any size)."""
+    ok = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise ValueError(f"{name}: expected shape {doc} = {want}, got {tuple(x.shape)}")
+
+
+def last_dim_contiguous(name: str, x: torch.Tensor) -> None:
+    if x.dim() and x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous (stride 1), got strides {tuple(x.stride())}")
+
+
+def contiguous(name: str, x: torch.Tensor) -> None:
+    if not x.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous tensor, got strides {tuple(x.stride())} for shape "
+                         f"{tuple(x.shape)}")
+
+
+def layout(state_layout) -> str:
+    if state_layout not in LAYOUTS:
+        raise ValueError(f"state_layout: expected one of {LAYOUTS}, got {state_layout!r}")
+    return state_layout
+
+
+def state_shape(HV: int, K: int, V: int, state_layout: str) -> tuple:
+    return (HV, K, V) if state_layout == "v_last" else (HV, V, K)
+
+
+def state_doc(state_layout: str) -> str:
+    return "[N, HV, K, V]" if state_layout == "v_last" else "[N, HV, V, K]"
+
+
+def _capturing(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except Exception:  # pragma: no cover
+        return False
+
+
+def _compiling() -> bool:
+    try:
+        return torch.compiler.is_compiling()
+    except Exception:  # pragma: no cover
+        return False
+
+
+def host_checks_allowed(device: torch.device) -> bool:
+    """Whether value checks that read device memory (a host sync) may run now.
+
+    They are skipped while a CUDA graph is being captured or torch.compile traces (the kernels then treat an
+    out-of-range pool index as padding: nothing is read or written for it and its output is zeros), and when the user
+    sets ``GDN_SKIP_VALUE_CHECKS=1`` to keep eager CUDA calls free of synchronisation.
+    """
+    import os
+
+    if os.environ.get("GDN_SKIP_VALUE_CHECKS", "0") == "1":
+        return False
+    return not (_capturing(device) or _compiling())
+
+
+def cu_seqlens(cu: Optional[torch.Tensor], B: int, T: int, device: torch.device) -> int:
+    """Validate ``cu_seqlens`` and return N (number of sequences)."""
+    if cu is None:
+        return B
+    tensor("cu_seqlens", cu, ndim=1, dtypes=INDEX_DTYPES, device=device, shape_doc="[N + 1]")
+    if B != 1:
+        raise ValueError(f"cu_seqlens: varlen batches need B == 1 (all sequences packed along T), got B = {B}")
+    if cu.numel() < 1:
+        raise ValueError("cu_seqlens: expected at least one element [N + 1], got an empty tensor")
+    if host_checks_allowed(device):
+        c = cu.detach().to("cpu", torch.int64)
+        if int(c[0]) != 0:
+            raise ValueError(f"cu_seqlens: must start at 0, got {int(c[0])}")
+        if c.numel() > 1 and bool((c[1:] < c[:-1]).any()):
+            raise ValueError("cu_seqlens: must be non-decreasing")
+        if int(c[-1]) != T:
+            raise ValueError(f"cu_seqlens: must end at T = {T} (the total number of tokens), got {int(c[-1])}")
+    return cu.numel() - 1
+
+
+def pool_indices(name: str, idx: torch.Tensor, N: int, P: int, device: torch.device, *, allow_2d: bool,
+                 max_cols: Optional[int] = None) -> None:
+    """Validate pool slot indices: ``[N]`` (or ``[N, cols]`` when ``allow_2d``), integer, values in [-1, P)."""
+    tensor(name, idx, dtypes=INDEX_DTYPES, device=device, shape_doc="[N]" + (" or [N, T_max]" if allow_2d else ""))
+    if idx.dim() not in ((1, 2) if allow_2d else (1,)):
+        raise ValueError(f"{name}: expected shape [N]{' or [N, T_max]' if allow_2d else ''} with N = {N}, "
+                         f"got {tuple(idx.shape)}")
+    if idx.shape[0] != N:
+        raise ValueError(f"{name}: expected {N} rows (one per sequence), got shape {tuple(idx.shape)}")
+    if idx.dim() == 2 and max_cols is not None and idx.shape[1] < max_cols:
+        raise ValueError(f"{name}: expected at least {max_cols} columns (one pool slot per token position), got "
+                         f"shape {tuple(idx.shape)}")
+    if idx.dim() == 2 and idx.stride(1) != 1:
+        raise ValueError(f"{name}: the last dimension must be contiguous, got strides {tuple(idx.stride())}")
+    if host_checks_allowed(device) and idx.numel():
+        hi = int(idx.max())
+        if hi >= P:
+            raise ValueError(f"{name}: index {hi} is out of range for a pool of {P} rows (expected -1 for padding or "
+                             f"0 <= index < {P})")
+        lo = int(idx.min())
+        if lo < -1:
+            raise ValueError(f"{name}: index {lo} is invalid (expected -1 for padding or 0 <= index < {P})")
+
+
+def scale_value(scale, K: int) -> float:
+    if scale is None:
+        return K ** -0.5
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1:
+            raise ValueError(f"scale: expected a number, got a tensor of shape {tuple(scale.shape)}")
+        scale = float(scale)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
+    return float(scale)

@@ -1,0 +1,43 @@
+"""gdn_gate: the log-space decay of Qwen3-Next / FlashInfer, differentiable in a, A_log and dt_bias."""
+from __future__ import annotations
+
+import torch
+
+from .. import reference as ref
+from ..backend import use_triton
+from . import _validate as V_
+
+
+class _GateFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, A_log, dt_bias):
+        from ..kernels.gate import gdn_gate_fwd
+
+        ctx.save_for_backward(a, A_log, dt_bias)
+        return gdn_gate_fwd(a, A_log, dt_bias)
+
+    @staticmethod
+    def backward(ctx, dg):
+        from ..kernels.gate import gdn_gate_bwd
+
+        a, A_log, dt_bias = ctx.saved_tensors
+        return gdn_gate_bwd(a, A_log, dt_bias, dg)
+
+
+def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """``g = -exp(A_log) * softplus(a + dt_bias)`` in float32 (log-space decay, g <= 0).
+
+    a ``[..., HV]``; A_log, dt_bias ``[HV]``. Differentiable with respect to all three.
+    """
+    V_.tensor("a", a, dtypes=V_.FLOAT_DTYPES + (torch.float64,), shape_doc="[..., HV]")
+    if a.dim() < 1:
+        raise ValueError("a: expected a tensor [..., HV], got a scalar")
+    HV = a.shape[-1]
+    V_.tensor("A_log", A_log, ndim=1, dtypes=V_.FLOAT_DTYPES + (torch.float64,), device=a.device, shape_doc="[HV]")
+    V_.shape("A_log", A_log, (HV,), "[HV] (HV = a.shape[-1])")
+    V_.tensor("dt_bias", dt_bias, ndim=1, dtypes=V_.FLOAT_DTYPES + (torch.float64,), device=a.device,
+              shape_doc="[HV]")
+    V_.shape("dt_bias", dt_bias, (HV,), "[HV] (HV = a.shape[-1])")
+    if a.dtype == torch.float64 or not use_triton(a.device):
+        return ref.gdn_gate_ref(a, A_log, dt_bias).to(torch.float64 if a.dtype == torch.float64 else torch.float32)
+    return _GateFn.apply(a, A_log, dt_bias)

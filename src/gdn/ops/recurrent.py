@@ -1,0 +1,222 @@
+"""fused_recurrent_gated_delta_rule: token-by-token form for decode and short multi-token steps."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import reference as ref
+from ..backend import use_triton
+from . import _validate as V_
+
+# kernel read/write modes (see gdn.kernels.recurrent)
+READ_ZERO, READ_ROW, READ_POOL = 0, 1, 2
+WRITE_NONE, WRITE_NEW, WRITE_SAME_ROW, WRITE_PER_TOKEN = 0, 1, 2, 3
+
+
+@dataclass
+class RecurrentPlan:
+    """Everything the kernel (or the torch path) needs after validation."""
+    B: int
+    T: int
+    N: int
+    H: int
+    HV: int
+    K: int
+    V: int
+    scale: float
+    read_mode: int
+    write_mode: int
+    state_layout: str
+
+
+def validate_qkv(q, k, v):
+    V_.tensor("q", q, ndim=4, dtypes=V_.FLOAT_DTYPES, shape_doc="[B, T, H, K]")
+    dev = q.device
+    V_.tensor("k", k, ndim=4, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[B, T, H, K]")
+    V_.tensor("v", v, ndim=4, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[B, T, HV, V]")
+    B, T, H, K = q.shape
+    V_.shape("k", k, (B, T, H, K), "[B, T, H, K] (same as q)")
+    HV, Vd = v.shape[2], v.shape[3]
+    V_.shape("v", v, (B, T, None, None), "[B, T, HV, V]")
+    if H == 0 or HV % H != 0:
+        raise ValueError(f"v: the number of value heads HV = {HV} must be a multiple of the q/k heads H = {H}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"k, v: expected the dtype of q ({q.dtype}), got k {k.dtype} and v {v.dtype}")
+    if K > 256 or Vd > 256:
+        raise ValueError(f"q, v: head dims up to 256 are supported, got K = {K}, V = {Vd}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        V_.last_dim_contiguous(name, x)
+    return B, T, H, K, HV, Vd
+
+
+def validate_gates(B, T, HV, dev, g, beta, A_log, a, dt_bias, b):
+    """Either log-space g (+ beta) or the raw form (A_log, a, dt_bias, b)."""
+    raw = [x is not None for x in (A_log, a, dt_bias)]
+    if g is not None and any(raw):
+        raise ValueError("g: give either g (log-space) or A_log/a/dt_bias (raw gates), not both")
+    if g is None and not all(raw):
+        raise ValueError("g: missing; give g [B, T, HV] (log-space) or all of A_log [HV], a [B, T, HV], dt_bias [HV]")
+    if g is not None:
+        V_.tensor("g", g, ndim=3, dtypes=V_.FLOAT_DTYPES + (torch.float64,), device=dev, shape_doc="[B, T, HV]")
+        V_.shape("g", g, (B, T, HV), "[B, T, HV]")
+    else:
+        V_.tensor("A_log", A_log, ndim=1, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[HV]")
+        V_.shape("A_log", A_log, (HV,), "[HV]")
+        V_.tensor("dt_bias", dt_bias, ndim=1, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[HV]")
+        V_.shape("dt_bias", dt_bias, (HV,), "[HV]")
+        V_.tensor("a", a, ndim=3, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[B, T, HV]")
+        V_.shape("a", a, (B, T, HV), "[B, T, HV]")
+    if beta is not None and b is not None:
+        raise ValueError("beta: give either beta or the raw b (beta = sigmoid(b)), not both")
+    if beta is not None:
+        V_.tensor("beta", beta, ndim=3, dtypes=V_.FLOAT_DTYPES + (torch.float64,), device=dev, shape_doc="[B, T, HV]")
+        V_.shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    if b is not None:
+        V_.tensor("b", b, ndim=3, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[B, T, HV]")
+        V_.shape("b", b, (B, T, HV), "[B, T, HV]")
+
+
+def _validate_state(name, st, rows, HV, K, Vd, layout, dev):
+    doc = V_.state_doc(layout).replace("N", "P" if rows is None else "N")
+    V_.tensor(name, st, ndim=4, dtypes=V_.STATE_DTYPES, device=dev, shape_doc=doc)
+    V_.shape(name, st, (rows,) + V_.state_shape(HV, K, Vd, layout), doc)
+    V_.contiguous(name, st)
+
+
+def plan_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_layout,
+                   ssm_state_indices, num_accepted_tokens, inplace_final_state, A_log, a, dt_bias, b, *,
+                   state_name="initial_state", indices_name="ssm_state_indices") -> RecurrentPlan:
+    B, T, H, K, HV, Vd = validate_qkv(q, k, v)
+    dev = q.device
+    validate_gates(B, T, HV, dev, g, beta, A_log, a, dt_bias, b)
+    layout = V_.layout(state_layout)
+    scale = V_.scale_value(scale, K)
+    N = V_.cu_seqlens(cu_seqlens, B, T, dev)
+    pool = ssm_state_indices is not None
+    if pool:
+        if initial_state is None:
+            raise ValueError(f"{state_name}: {indices_name} needs the state pool [P, HV, ...] as {state_name}")
+        _validate_state(state_name, initial_state, None, HV, K, Vd, layout, dev)
+        max_len = T if cu_seqlens is None else None
+        if cu_seqlens is not None and V_.host_checks_allowed(dev) and N > 0:
+            max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        need_cols = max_len if (inplace_final_state and ssm_state_indices.dim() == 2) else None
+        V_.pool_indices(indices_name, ssm_state_indices, N, initial_state.shape[0], dev, allow_2d=True,
+                        max_cols=need_cols)
+    elif initial_state is not None:
+        _validate_state(state_name, initial_state, N, HV, K, Vd, layout, dev)
+    if num_accepted_tokens is not None:
+        if not pool or ssm_state_indices.dim() != 2:
+            raise ValueError("num_accepted_tokens: needs 2-D ssm_state_indices [N, T_max] (one slot per token)")
+        V_.tensor("num_accepted_tokens", num_accepted_tokens, ndim=1, dtypes=V_.INDEX_DTYPES, device=dev,
+                  shape_doc="[N]")
+        V_.shape("num_accepted_tokens", num_accepted_tokens, (N,), "[N]")
+        if V_.host_checks_allowed(dev) and N > 0:
+            lo, hi = int(num_accepted_tokens.min()), int(num_accepted_tokens.max())
+            cols = ssm_state_indices.shape[1]
+            if lo < 1 or hi > cols:
+                raise ValueError(f"num_accepted_tokens: values must lie in [1, {cols}] (columns of "
+                                 f"ssm_state_indices), got range [{lo}, {hi}]")
+    if inplace_final_state and initial_state is None:
+        raise ValueError("inplace_final_state: needs initial_state (the state or pool to update in place)")
+
+    read_mode = READ_POOL if pool else (READ_ROW if initial_state is not None else READ_ZERO)
+    if inplace_final_state:
+        write_mode = WRITE_PER_TOKEN if pool and ssm_state_indices.dim() == 2 else WRITE_SAME_ROW
+    else:
+        write_mode = WRITE_NEW if output_final_state else WRITE_NONE
+    return RecurrentPlan(B, T, N, H, HV, K, Vd, scale, read_mode, write_mode, layout)
+
+
+def _recurrent_torch(q, k, v, o, plan: RecurrentPlan, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx,
+                     num_accepted, cu_seqlens, l2norm):
+    """The torch path: the same semantics as the kernel, one sequence at a time, fp32 state arithmetic."""
+    g, beta = ref.resolve_gates(g, beta, A_log, a, dt_bias, b)
+    dt = torch.float32
+    qf, kf = q.to(dt), k.to(dt)
+    if l2norm:
+        qf, kf = ref.l2norm_ref(qf), ref.l2norm_ref(kf)
+    qf = ref._expand_heads(qf, plan.HV) * plan.scale
+    kf = ref._expand_heads(kf, plan.HV)
+    vf, g = v.to(dt), g.to(dt)
+    beta = torch.ones_like(g) if beta is None else beta.to(dt)
+    kv = (lambda s: s) if plan.state_layout == "v_last" else (lambda s: s.transpose(-1, -2))
+    P_in = state_in.shape[0] if state_in is not None else 0
+    for n, (bi, s, e) in enumerate(ref.sequence_spans(plan.B, plan.T, cu_seqlens)):
+        if plan.read_mode == READ_POOL:
+            col = int(num_accepted[n]) - 1 if num_accepted is not None else 0
+            row = int(idx[n, col]) if idx.dim() == 2 else int(idx[n])
+            if not 0 <= row < P_in:
+                o[bi, s:e] = 0
+                continue
+        else:
+            row = n
+        S = (kv(state_in[row]).to(dt).clone() if plan.read_mode != READ_ZERO
+             else torch.zeros(plan.HV, plan.K, plan.V, dtype=dt, device=q.device))
+        for t in range(s, e):
+            S = S * torch.exp(g[bi, t])[:, None, None]
+            u = beta[bi, t][:, None] * (vf[bi, t] - torch.einsum("hk,hkv->hv", kf[bi, t], S))
+            S = S + kf[bi, t][:, :, None] * u[:, None, :]
+            o[bi, t] = torch.einsum("hk,hkv->hv", qf[bi, t], S).to(o.dtype)
+            if plan.write_mode == WRITE_PER_TOKEN:
+                r = int(idx[n, t - s])
+                if 0 <= r < state_out.shape[0]:
+                    state_out[r] = kv(S).to(state_out.dtype)
+        if plan.write_mode == WRITE_NEW:
+            state_out[n] = kv(S).to(state_out.dtype)
+        elif plan.write_mode == WRITE_SAME_ROW:
+            state_out[row] = kv(S).to(state_out.dtype)
+    return o
+
+
+def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None, a=None, dt_bias=None, b=None,
+                  initial_state=None, ssm_state_indices=None, num_accepted_tokens=None, cu_seqlens=None,
+                  l2norm=False, out: Optional[torch.Tensor] = None):
+    """Allocate outputs and run the kernel (or the torch path). Returns (o, final_state_or_None)."""
+    o = out if out is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if plan.write_mode == WRITE_NEW:
+        final = torch.empty((plan.N,) + V_.state_shape(plan.HV, plan.K, plan.V, plan.state_layout),
+                            dtype=torch.float32, device=v.device)
+    elif plan.write_mode in (WRITE_SAME_ROW, WRITE_PER_TOKEN):
+        final = initial_state
+    else:
+        final = None
+    state_in = initial_state if plan.read_mode != READ_ZERO else None
+    if use_triton(q.device):
+        from ..kernels.recurrent import recurrent_gdn_fwd
+
+        contig = lambda x: None if x is None else x.contiguous()  # noqa: E731  (gates are [B, T, HV]: small)
+        recurrent_gdn_fwd(q, k, v, o, g=contig(g), beta=contig(beta), A_log=contig(A_log), a=contig(a),
+                          dt_bias=contig(dt_bias), b=contig(b), scale=plan.scale, state_in=state_in, state_out=final,
+                          idx=ssm_state_indices, num_accepted=num_accepted_tokens, cu_seqlens=cu_seqlens,
+                          read_mode=plan.read_mode, write_mode=plan.write_mode, l2norm=l2norm,
+                          k_last=plan.state_layout == "k_last", seqlen=plan.T, num_seqs=plan.N)
+    else:
+        with torch.no_grad():
+            _recurrent_torch(q, k, v, o, plan, g, beta, A_log, a, dt_bias, b, state_in, final, ssm_state_indices,
+                             num_accepted_tokens, cu_seqlens, l2norm)
+    return o, final
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
+                                     output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False, *,
+                                     state_layout="v_last", ssm_state_indices=None, num_accepted_tokens=None,
+                                     inplace_final_state=False, A_log=None, a=None, dt_bias=None, b=None):
+    """Token-by-token gated delta rule (decode, short multi-token steps, speculative verification).
+
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g/beta ``[B, T, HV]`` (or raw A_log ``[HV]``, a ``[B, T, HV]``,
+    dt_bias ``[HV]``, b ``[B, T, HV]``). Pools: ``initial_state`` ``[P, HV, ...]`` with ``ssm_state_indices`` ``[N]``
+    or ``[N, T_max]``; ``num_accepted_tokens`` ``[N]`` picks the start slot ``idx[n, num_accepted[n] - 1]``;
+    ``inplace_final_state`` writes the final state (1-D indices) or every token's state (2-D) into the pool.
+    Returns ``(o [B, T, HV, V] in v's dtype, final_state)``: the pool when written in place, a new float32
+    ``[N, HV, ...]`` tensor with ``output_final_state``, else None. Not differentiable (use the chunked op to train).
+    """
+    plan = plan_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_layout,
+                          ssm_state_indices, num_accepted_tokens, inplace_final_state, A_log, a, dt_bias, b)
+    o, final = run_recurrent(q, k, v, plan, g=g, beta=beta, A_log=A_log, a=a, dt_bias=dt_bias, b=b,
+                             initial_state=initial_state, ssm_state_indices=ssm_state_indices,
+                             num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
+                             l2norm=use_qk_l2norm_in_kernel)
+    return o, final

@@ -1,0 +1,22 @@
+"""Without a GPU, the Triton kernels run in Triton's interpreter: set before gdn's kernels are imported."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed():
+    # fresh random inputs every run; the seed is printed on failure through the test's own messages where needed
+    torch.manual_seed(int.from_bytes(os.urandom(4), "little"))
+    yield
+
+
+@pytest.fixture
+def device():
+    return DEVICE
