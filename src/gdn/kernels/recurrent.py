@@ -5,7 +5,7 @@ keeps it in registers in fp32 and walks the sequence's tokens::
 
     S = exp(g_t) S;   u = beta_t (v_t - S^T k_t);   S = S + k_t u^T;   o_t = scale S^T q_t
 
-Grid: ``(V / BV, N * HV)``. The state is read once and written once per launch (per token in per-token mode), so the
+Grid: ``(N * HV, V / BV)``. The state is read once and written once per launch (per token in per-token mode), so the
 kernel is bound by state bytes / copy bandwidth. Pool rows, sequence offsets and token offsets are 64-bit.
 
 Constexpr switches (one kernel for every form):
@@ -39,10 +39,10 @@ def recurrent_gdn_fwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr, L2NORM: tl.constexpr,
     READ_MODE: tl.constexpr, IDX_2D: tl.constexpr, SPEC: tl.constexpr, WRITE_MODE: tl.constexpr,
-    K_LAST: tl.constexpr,
+    K_LAST: tl.constexpr, EVICT: tl.constexpr = "",
 ):
-    i_v = tl.program_id(0)
-    i_nh = tl.program_id(1)
+    i_nh = tl.program_id(0)  # N * HV can pass 65535: keep it on the first grid axis
+    i_v = tl.program_id(1)
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -90,7 +90,7 @@ def recurrent_gdn_fwd_kernel(
         _recurrent_sequence(q, k, v, g, beta, A_log, a, dt_bias, b, o, state_in, state_out, idx,
                             p_o, row_in, row_b, bos, tok0, seq_len, i_n, i_h, i_hv, o_k, o_v, m_k, m_v, m_s, o_s,
                             head_off, scale, P_out, n_cols, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
-                            s_idx, HV, K, V, BK, BV, GATE_RAW, BETA_MODE, L2NORM, READ_MODE, WRITE_MODE)
+                            s_idx, HV, K, V, BK, BV, GATE_RAW, BETA_MODE, L2NORM, READ_MODE, WRITE_MODE, EVICT)
     else:
         # padding sequence: zeros out, no state row read or written
         for t in range(0, seq_len):
@@ -103,11 +103,12 @@ def _recurrent_sequence(q, k, v, g, beta, A_log, a, dt_bias, b, o, state_in, sta
                         head_off, scale, P_out, n_cols, s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
                         s_idx, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                         GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr, L2NORM: tl.constexpr,
-                        READ_MODE: tl.constexpr, WRITE_MODE: tl.constexpr):
+                        READ_MODE: tl.constexpr, WRITE_MODE: tl.constexpr, EVICT: tl.constexpr):
     if READ_MODE == 0:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
     else:
-        b_s = tl.load(state_in + row_in * (HV * K * V) + head_off + o_s, mask=m_s, other=0.0).to(tl.float32)
+        b_s = tl.load(state_in + row_in * (HV * K * V) + head_off + o_s, mask=m_s, other=0.0,
+                      eviction_policy=EVICT).to(tl.float32)
 
     if GATE_RAW:
         b_A = tl.load(A_log + i_hv).to(tl.float32)
@@ -157,16 +158,20 @@ def _recurrent_sequence(q, k, v, g, beta, A_log, a, dt_bias, b, o, state_in, sta
 
 
 def _block_v(N: int, HV: int, K: int, V: int, state_bytes: int) -> tuple:
-    """(BV, num_warps): enough programs to fill the GPU, tiles big enough to stream the state."""
+    """(BV, num_warps) from an H200 sweep (bench/results/sweep_decode_h200.json): tiny batches want many small
+    programs; large fp32 states 32-column tiles with 4 warps; 16-bit states 64-column tiles with 8 warps."""
     env_bv, env_w = os.environ.get("GDN_RECURRENT_BV"), os.environ.get("GDN_RECURRENT_WARPS")
     BK = next_pow2(K)
-    programs_per_col = N * HV
-    BV = min(next_pow2(V), 64)
-    while BV > 8 and programs_per_col * triton.cdiv(V, BV) < 1024:
+    nhv = N * HV
+    if nhv <= 256:
+        BV, warps = 8, 1
+    elif state_bytes >= 4:
+        BV, warps = (16, 2) if nhv < 2048 else (32, 4)
+    else:
+        BV, warps = 64, 8
+    BV = min(BV, next_pow2(V))
+    while BV > 8 and BV * BK > 64 * 128:
         BV //= 2
-    if BV * BK > 64 * 128:
-        BV = max(8, (64 * 128) // BK)
-    warps = 4 if BK * BV >= 2048 else 2
     if env_bv:
         BV = int(env_bv)
     if env_w:
@@ -188,7 +193,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
     gate_raw = g is None
     beta_mode = 1 if beta is not None else (2 if b is not None else 0)
     dummy = o
-    grid = (triton.cdiv(V, BV), N * HV)
+    grid = (N * HV, triton.cdiv(V, BV))
     recurrent_gdn_fwd_kernel[grid](
         q, k, v,
         dummy if g is None else g, dummy if beta is None else beta,
@@ -205,7 +210,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV,
         VARLEN=cu_seqlens is not None, GATE_RAW=gate_raw, BETA_MODE=beta_mode, L2NORM=bool(l2norm),
         READ_MODE=read_mode, IDX_2D=idx is not None and idx.dim() == 2, SPEC=num_accepted is not None,
-        WRITE_MODE=write_mode, K_LAST=bool(k_last),
+        WRITE_MODE=write_mode, K_LAST=bool(k_last), EVICT=os.environ.get("GDN_RECURRENT_EVICT", ""),
         num_warps=warps, num_stages=1,
     )
     return o

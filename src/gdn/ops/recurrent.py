@@ -171,6 +171,35 @@ def _recurrent_torch(q, k, v, o, plan: RecurrentPlan, g, beta, A_log, a, dt_bias
     return o
 
 
+def _launch(q, k, v, o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted, cu_seqlens, scale,
+            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs):
+    from ..kernels.recurrent import recurrent_gdn_fwd
+
+    recurrent_gdn_fwd(q, k, v, o, g=g, beta=beta, A_log=A_log, a=a, dt_bias=dt_bias, b=b, scale=scale,
+                      state_in=state_out if state_in is None and read_mode != READ_ZERO else state_in,
+                      state_out=state_out, idx=idx, num_accepted=num_accepted, cu_seqlens=cu_seqlens,
+                      read_mode=read_mode, write_mode=write_mode, l2norm=l2norm, k_last=k_last, seqlen=seqlen,
+                      num_seqs=num_seqs)
+
+
+@torch.library.custom_op("gdn::recurrent_fwd", mutates_args=("o", "state_out"))
+def _recurrent_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, g: Optional[torch.Tensor],
+                      beta: Optional[torch.Tensor], A_log: Optional[torch.Tensor], a: Optional[torch.Tensor],
+                      dt_bias: Optional[torch.Tensor], b: Optional[torch.Tensor], state_in: Optional[torch.Tensor],
+                      state_out: Optional[torch.Tensor], idx: Optional[torch.Tensor],
+                      num_accepted: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
+                      read_mode: int, write_mode: int, l2norm: bool, k_last: bool, seqlen: int, num_seqs: int) -> None:
+    """The kernel launch as a torch.library op, so torch.compile traces the ops without a graph break. In-place
+    modes pass the pool as ``state_out`` only (``state_in`` None): no two arguments alias."""
+    _launch(q, k, v, o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted, cu_seqlens, scale,
+            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs)
+
+
+@_recurrent_fwd_op.register_fake
+def _(*args):
+    return None
+
+
 def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None, a=None, dt_bias=None, b=None,
                   initial_state=None, ssm_state_indices=None, num_accepted_tokens=None, cu_seqlens=None,
                   l2norm=False, out: Optional[torch.Tensor] = None):
@@ -185,14 +214,16 @@ def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None
         final = None
     state_in = initial_state if plan.read_mode != READ_ZERO else None
     if use_triton(q.device):
-        from ..kernels.recurrent import recurrent_gdn_fwd
-
         contig = lambda x: None if x is None else x.contiguous()  # noqa: E731  (gates are [B, T, HV]: small)
-        recurrent_gdn_fwd(q, k, v, o, g=contig(g), beta=contig(beta), A_log=contig(A_log), a=contig(a),
-                          dt_bias=contig(dt_bias), b=contig(b), scale=plan.scale, state_in=state_in, state_out=final,
-                          idx=ssm_state_indices, num_accepted=num_accepted_tokens, cu_seqlens=cu_seqlens,
-                          read_mode=plan.read_mode, write_mode=plan.write_mode, l2norm=l2norm,
-                          k_last=plan.state_layout == "k_last", seqlen=plan.T, num_seqs=plan.N)
+        inplace = plan.write_mode in (WRITE_SAME_ROW, WRITE_PER_TOKEN)
+        args = (q, k, v, o, contig(g), contig(beta), contig(A_log), contig(a), contig(dt_bias), contig(b),
+                None if inplace else state_in, final, ssm_state_indices, num_accepted_tokens, cu_seqlens,
+                plan.scale, plan.read_mode, plan.write_mode, bool(l2norm), plan.state_layout == "k_last", plan.T,
+                plan.N)
+        if torch.compiler.is_compiling():
+            torch.ops.gdn.recurrent_fwd(*args)
+        else:  # eager: skip the dispatcher's overhead on the decode hot path
+            _launch(*args)
     else:
         with torch.no_grad():
             _recurrent_torch(q, k, v, o, plan, g, beta, A_log, a, dt_bias, b, state_in, final, ssm_state_indices,
