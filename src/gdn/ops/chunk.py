@@ -1,7 +1,193 @@
-"""chunk_gated_delta_rule: placeholder until the chunked kernels land (issue 3)."""
+"""chunk_gated_delta_rule: chunked (WY / UT transform) prefill and training (see API.md).
+
+Validation -> backend choice -> (torch reference | Triton kernels, through an autograd Function when a gradient is
+needed). Kernels live in :mod:`gdn.kernels.chunk_fwd` (forward) and :mod:`gdn.kernels.chunk_bwd` (backward) and are
+imported lazily.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from gdn.backend import use_triton
+from gdn.ops import _validate as V_
+
+CHUNK_SIZES = (64,)
+MAX_HEAD_DIM = 256
+
+
+def _needs_grad(*tensors) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+              state_layout, ssm_state_indices, chunk_size):
+    q = V_.tensor("q", q, ndim=4, dtypes=V_.FLOAT_DTYPES, shape_doc="[B, T, H, K]")
+    dev = q.device
+    B, T, H, K = q.shape
+    V_.tensor("k", k, ndim=4, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[B, T, H, K]")
+    V_.shape("k", k, (B, T, H, K), "[B, T, H, K] (the shape of q)")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k: expected dtype {V_._dt(q.dtype)} (the dtype of q), got {V_._dt(k.dtype)}")
+    V_.tensor("v", v, ndim=4, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[B, T, HV, V]")
+    V_.shape("v", v, (B, T, None, None), "[B, T, HV, V] (B, T of q)")
+    HV, Vd = v.shape[2], v.shape[3]
+    if H < 1 or HV < 1 or HV % H != 0:
+        raise ValueError(f"v: the number of value heads HV = {HV} must be a positive multiple of the number of q/k "
+                         f"heads H = {H}")
+    if K < 1 or Vd < 1:
+        raise ValueError(f"q/v: head dims must be >= 1, got K = {K}, V = {Vd}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        V_.last_dim_contiguous(name, x)
+    V_.tensor("g", g, ndim=3, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[B, T, HV]")
+    V_.shape("g", g, (B, T, HV), "[B, T, HV]")
+    if beta is not None:
+        V_.tensor("beta", beta, ndim=3, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[B, T, HV]")
+        V_.shape("beta", beta, (B, T, HV), "[B, T, HV]")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
+    scale = V_.scale_value(scale, K)
+    layout = V_.layout(state_layout)
+    N = V_.cu_seqlens(cu_seqlens, B, T, dev)
+    sshape = V_.state_shape(HV, K, Vd, layout)
+    sdoc = V_.state_doc(layout)
+    if ssm_state_indices is None:
+        if initial_state is not None:
+            V_.tensor("initial_state", initial_state, ndim=4, dtypes=V_.STATE_DTYPES, device=dev, shape_doc=sdoc)
+            V_.shape("initial_state", initial_state, (N, *sshape), sdoc)
+    else:
+        if initial_state is None:
+            raise ValueError("initial_state: a state pool [P, HV, ...] is required when ssm_state_indices is given")
+        pdoc = sdoc.replace("[N,", "[P,")
+        V_.tensor("initial_state", initial_state, ndim=4, dtypes=V_.STATE_DTYPES, device=dev, shape_doc=pdoc)
+        V_.shape("initial_state", initial_state, (None, *sshape), pdoc)
+        V_.pool_indices("ssm_state_indices", ssm_state_indices, N, initial_state.shape[0], dev, allow_2d=False)
+        if _needs_grad(q, k, v, g, beta, initial_state):
+            raise ValueError("ssm_state_indices: state pools are inference-only; call under torch.no_grad() or pass "
+                             "initial_state without ssm_state_indices to differentiate")
+    return scale, layout, N
+
+
+def _validate_triton_limits(q, v):
+    K, Vd = q.shape[-1], v.shape[-1]
+    if K > MAX_HEAD_DIM:
+        raise ValueError(f"q: head dim K = {K} is larger than the Triton kernels support (K <= {MAX_HEAD_DIM})")
+    if Vd > MAX_HEAD_DIM:
+        raise ValueError(f"v: head dim V = {Vd} is larger than the Triton kernels support (V <= {MAX_HEAD_DIM})")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# torch path
+# ----------------------------------------------------------------------------------------------------------------------
+def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size):
+    from gdn.reference import chunk_gated_delta_rule_ref, sequence_spans
+
+    if idx is None:
+        return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2,
+                                          state_layout=layout, chunk_size=chunk_size)
+    pool = initial_state
+    P = pool.shape[0]
+    il = idx.to(torch.int64)
+    valid = (il >= 0) & (il < P)
+    h0 = torch.zeros((il.shape[0],) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
+    h0[valid] = pool[il[valid]].to(torch.float32)
+    o, fin = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, True, cu_seqlens, l2, state_layout=layout,
+                                        chunk_size=chunk_size)
+    B, T = q.shape[:2]
+    vl = valid.tolist()
+    for n, (bi, s, e) in enumerate(sequence_spans(B, T, cu_seqlens)):
+        if not vl[n]:
+            o[bi, s:e] = 0
+    pool[il[valid]] = fin[valid].to(pool.dtype)
+    return o, (pool if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton path
+# ----------------------------------------------------------------------------------------------------------------------
+class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
+    """Differentiable Triton op. States here are fp32 in v_last order ([N, HV, K, V]); layout conversion happens in
+    :func:`chunk_gated_delta_rule`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                chunk_size):
+        from gdn.kernels.chunk_fwd import chunk_gated_delta_rule_fwd
+
+        o, ht, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                              chunk_size, use_qk_l2norm_in_kernel, state_layout="v_last")
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale = scale
+        ctx.chunk_size = chunk_size
+        ctx.l2 = use_qk_l2norm_in_kernel
+        ctx.set_materialize_grads(False)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        try:
+            from gdn.kernels.chunk_bwd import chunk_gated_delta_rule_bwd
+        except ImportError as e:  # pragma: no cover - until the backward kernels land
+            raise NotImplementedError("chunk_gated_delta_rule backward kernels (gdn.kernels.chunk_bwd) are not "
+                                      "available") from e
+        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, cu_seqlens,
+                                                                ctx.chunk_size, ctx.l2, do, dht)
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None
+
+
+def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size):
+    if beta is None:
+        beta = torch.ones((), dtype=torch.float32, device=q.device).expand(g.shape)
+    if _needs_grad(q, k, v, g, beta, initial_state):
+        h0 = initial_state
+        if h0 is not None:
+            h0 = h0.to(torch.float32)
+            if layout == "k_last":
+                h0 = h0.transpose(-1, -2)
+            h0 = h0.contiguous()
+        o, ht = ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, h0, bool(output_final_state), cu_seqlens,
+                                                  bool(l2), chunk_size)
+        if ht is not None and layout == "k_last":
+            ht = ht.transpose(-1, -2).contiguous()
+        return o, ht
+
+    from gdn.kernels.chunk_fwd import chunk_gated_delta_rule_fwd
+
+    if idx is None:
+        o, ht, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                              chunk_size, l2, state_layout=layout)
+        return o, ht
+    pool = initial_state
+    o, _, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, pool, False, cu_seqlens, chunk_size, l2,
+                                         state_layout=layout, state_indices=idx, final_state=pool)
+    return o, (pool if output_final_state else None)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, state_layout="v_last",
                            ssm_state_indices=None, chunk_size=64):
-    raise NotImplementedError("chunk_gated_delta_rule is not implemented yet")
+    """Chunked gated delta rule (prefill / training).
+
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (strided views with a contiguous last dim are read in place); g, beta
+    ``[B, T, HV]`` (g log-space, beta None = ones). ``initial_state``: ``[N, HV, K, V]`` (``state_layout="v_last"``)
+    or ``[N, HV, V, K]`` (``"k_last"``); with ``ssm_state_indices`` ``[N]`` it is a pool ``[P, HV, ...]``: sequence n
+    reads row ``ssm_state_indices[n]`` and its final state is written back into that row in place (pool dtype; -1 =
+    padding: zeros out, nothing read or written), and the pool itself is returned as final state when
+    ``output_final_state``. Returns ``(o [B, T, HV, V] in v's dtype, final_state fp32 or None)``.
+    Differentiable w.r.t. q, k, v, g, beta and ``initial_state`` (not a pool).
+    """
+    scale, layout, N = _validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                 use_qk_l2norm_in_kernel, state_layout, ssm_state_indices, chunk_size)
+    if not use_triton(q.device):
+        return _torch_path(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
+                           bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size)
+    _validate_triton_limits(q, v)
+    return _triton_path(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
+                        bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size)
+
+
+__all__ = ["chunk_gated_delta_rule", "ChunkGatedDeltaRuleFunction"]
