@@ -167,26 +167,25 @@ def recurrent_gdn_fwd_kernel(
 
 
 def _block_v(N: int, HV: int, K: int, V: int, state_bytes: int) -> tuple:
-    """(BV, num_warps) from an H200 sweep (bench/results/sweep_decode_h200.json): tiny batches want many small
-    programs; large fp32 states 32-column tiles with 4 warps; 16-bit states 64-column tiles with 8 warps."""
-    env_bv, env_w = os.environ.get("GDN_RECURRENT_BV"), os.environ.get("GDN_RECURRENT_WARPS")
+    """(BV, num_warps, NV_LOOP, num_stages) from H200 sweeps (bench/results/sweep_decode*_h200.json, K = V = 128):
+    small batches want many small programs; large fp32 states one program per head with the whole 128x128 tile and
+    8 warps; large 16-bit states 16-column tiles, 8 per program, software-pipelined two deep."""
     BK = next_pow2(K)
     nhv = N * HV
-    if nhv <= 256:
-        BV, warps = 8, 1
+    if nhv < 2048:
+        BV, warps, nv_loop, stages = 8, 1, 1, 1
     elif state_bytes >= 4:
-        BV, warps = (16, 2) if nhv < 2048 else (32, 4)
+        BV, warps, nv_loop, stages = 128, 8, 1, 1
     else:
-        BV, warps = 64, 8
+        BV, warps, nv_loop, stages = 16, 2, 8, 2
     BV = min(BV, next_pow2(V))
-    while BV > 8 and BV * BK > 64 * 128:
+    while BV > 8 and BV * BK > 128 * 128:
         BV //= 2
-    if env_bv:
-        BV = int(env_bv)
-    if env_w:
-        warps = int(env_w)
-    nv_loop = int(os.environ.get("GDN_RECURRENT_NV_LOOP", "1"))
-    stages = int(os.environ.get("GDN_RECURRENT_STAGES", "1"))
+    env = os.environ.get
+    BV = int(env("GDN_RECURRENT_BV", BV))
+    warps = int(env("GDN_RECURRENT_WARPS", warps))
+    nv_loop = int(env("GDN_RECURRENT_NV_LOOP", nv_loop))
+    stages = int(env("GDN_RECURRENT_STAGES", stages))
     return BV, warps, nv_loop, stages
 
 
