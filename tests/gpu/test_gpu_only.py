@@ -1,0 +1,108 @@
+"""GPU-only checks (run by bench/gpu_session.py on the device machine; not collected without CUDA).
+
+- a bf16 state pool of more than 2^31 elements decodes into its last slot correctly (64-bit offsets);
+- decode and speculative-verify steps captured in a CUDA graph replay correctly with new inputs;
+- torch.compile with inductor on a decode step.
+"""
+import pytest
+import torch
+
+from gdn.ops import fused_recurrent_gated_delta_rule, gated_delta_rule_decode
+from gdn.reference import recurrent_gated_delta_rule_ref
+from gdn.testing import make_inputs, rel_err, to64
+
+pytestmark = pytest.mark.gpu
+
+
+def test_pool_past_2_pow_31_elements_last_slot():
+    HV, K, V = 32, 128, 128
+    P = (2**31) // (HV * K * V) + 2  # > 2^31 elements
+    pool = torch.empty(P, HV, V, K, dtype=torch.bfloat16, device="cuda")
+    assert pool.numel() > 2**31
+    pool[-1].normal_()
+    pool[0].normal_()
+    before_last, before_first = pool[-1].clone(), pool[0].clone()
+    x = make_inputs(2, 1, 16, HV, K, V, dtype=torch.bfloat16, device="cuda")
+    idx = torch.tensor([P - 1, 0], device="cuda", dtype=torch.int32)
+    o, _ = gated_delta_rule_decode(x.q, x.k, x.v, pool, x.A_log, x.a, x.dt_bias, x.b, state_indices=idx,
+                                   use_qk_l2norm=True)
+    h0 = torch.stack([before_last, before_first]).double().cpu()
+    ro, rs = recurrent_gated_delta_rule_ref(*to64(x.q, x.k, x.v), A_log=x.A_log.double().cpu(),
+                                            a=x.a.double().cpu(), dt_bias=x.dt_bias.double().cpu(),
+                                            b=x.b.double().cpu(), initial_state=h0, output_final_state=True,
+                                            use_qk_l2norm_in_kernel=True, state_layout="k_last")
+    assert rel_err(o, ro) < 1e-2
+    assert rel_err(pool[-1].float(), rs[0]) < 1e-2 and rel_err(pool[0].float(), rs[1]) < 1e-2
+
+
+def test_decode_cuda_graph_replay():
+    B, H, HV, K, V, P = 8, 4, 8, 128, 128, 20
+    x = make_inputs(B, 1, H, HV, K, V, dtype=torch.bfloat16, device="cuda")
+    pool = torch.randn(P, HV, V, K, device="cuda")
+    idx = torch.randperm(P, device="cuda")[:B].to(torch.int32)
+    idx[3] = -1
+    out = torch.empty(B, 1, HV, V, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        gated_delta_rule_decode(x.q, x.k, x.v, pool, x.A_log, x.a, x.dt_bias, x.b, state_indices=idx, output=out,
+                                use_qk_l2norm=True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # compile/warm up outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for _ in range(3):  # new inputs in place, replay, compare with eager on copies
+        y = make_inputs(B, 1, H, HV, K, V, dtype=torch.bfloat16, device="cuda")
+        for f in ("q", "k", "v", "a", "b"):
+            getattr(x, f).copy_(getattr(y, f))
+        pool_eager = pool.clone()
+        o_eager, _ = gated_delta_rule_decode(x.q, x.k, x.v, pool_eager, x.A_log, x.a, x.dt_bias, x.b,
+                                             state_indices=idx, use_qk_l2norm=True)
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, o_eager) and torch.equal(pool, pool_eager)
+
+
+def test_spec_verify_cuda_graph_replay():
+    N, Tm, H, HV, K, V, P = 4, 3, 2, 4, 128, 128, 32
+    x = make_inputs(N, Tm, H, HV, K, V, dtype=torch.bfloat16, device="cuda")
+    pool = torch.randn(P, HV, K, V, device="cuda").to(torch.bfloat16)
+    idx = torch.arange(N * Tm, device="cuda", dtype=torch.int32).reshape(N, Tm)
+    acc = torch.tensor([1, 2, 3, 1], device="cuda", dtype=torch.int32)
+
+    def step():
+        return fused_recurrent_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool,
+                                                ssm_state_indices=idx, num_accepted_tokens=acc,
+                                                inplace_final_state=True, use_qk_l2norm_in_kernel=True)[0]
+
+    step()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        o = step()
+    pool_eager = pool.clone()
+    o_eager = fused_recurrent_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool_eager,
+                                               ssm_state_indices=idx, num_accepted_tokens=acc,
+                                               inplace_final_state=True, use_qk_l2norm_in_kernel=True)[0]
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_eager) and torch.equal(pool, pool_eager)
+
+
+def test_decode_torch_compile_inductor():
+    x = make_inputs(4, 1, 2, 4, 128, 128, dtype=torch.bfloat16, device="cuda")
+    pool = torch.randn(6, 4, 128, 128, device="cuda")
+
+    def step(q, k, v, a, b, pool, idx):
+        o, _ = gated_delta_rule_decode(q, k, v, pool, x.A_log, a, x.dt_bias, b, state_indices=idx,
+                                       use_qk_l2norm=True)
+        return o.float().sum(-1)
+
+    idx = torch.tensor([5, 0, -1, 2], device="cuda")
+    p1, p2 = pool.clone(), pool.clone()
+    ref = step(x.q, x.k, x.v, x.a, x.b, p1, idx)
+    out = torch.compile(step, fullgraph=True)(x.q, x.k, x.v, x.a, x.b, p2, idx)
+    assert rel_err(out, ref) < 1e-5 and torch.equal(p1, p2)
