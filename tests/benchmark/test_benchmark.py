@@ -1,0 +1,481 @@
+"""``gdn bench`` on CPU: the cost model, the row schema, the JSON / table / plot writers, the command line, the
+no-CUDA exit, and the runners end to end with reference-backed stand-ins for gdn's ops and the peers (a host timer
+instead of CUDA events), so that the input conventions and the correctness columns are exercised without a GPU."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import gdn.ops
+from gdn import benchmark as B
+from gdn.benchmark import cases as C
+from gdn.benchmark import peers as P
+from gdn.benchmark import report, runners
+from gdn.benchmark.plot import write_plot
+from gdn.benchmark.progress import Progress
+from gdn.benchmark.timing import HostTimer, rotation_sets
+from gdn.reference import causal_conv1d_ref, chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
+from gdn.testing import rel_err
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# stand-ins: gdn's ops and the peers' calling conventions, computed by the reference in float32
+# ----------------------------------------------------------------------------------------------------------------------
+def fake_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, *, use_qk_l2norm=False, state_indices=None,
+                output=None, state_layout="k_last"):
+    o, st = recurrent_gated_delta_rule_ref(q.float(), k.float(), v.float(), scale=scale, initial_state=state.float(),
+                                           output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                                           state_layout=state_layout, A_log=A_log, a=a.float(), dt_bias=dt_bias,
+                                           b=b.float())
+    state.copy_(st)
+    return o.to(torch.bfloat16), state
+
+
+def fake_recurrent(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+                   cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, state_layout="v_last", ssm_state_indices=None,
+                   num_accepted_tokens=None, inplace_final_state=False, A_log=None, a=None, dt_bias=None, b=None):
+    N, T = q.shape[:2]
+    o, pool = torch.empty_like(v), initial_state
+    for n in range(N):
+        S = pool[int(ssm_state_indices[n, int(num_accepted_tokens[n]) - 1])].float()[None]
+        for t in range(T):
+            sl = (slice(n, n + 1), slice(t, t + 1))
+            ot, S = recurrent_gated_delta_rule_ref(q[sl].float(), k[sl].float(), v[sl].float(), initial_state=S,
+                                                   output_final_state=True,
+                                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                                   state_layout=state_layout, A_log=A_log, a=a[sl].float(),
+                                                   dt_bias=dt_bias, b=b[sl].float())
+            o[n, t] = ot[0, 0]
+            pool[int(ssm_state_indices[n, t])] = S[0].to(pool.dtype)
+    return o, pool
+
+
+def fake_chunk(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+               use_qk_l2norm_in_kernel=False, *, state_layout="v_last", ssm_state_indices=None, chunk_size=64):
+    o, ht = chunk_gated_delta_rule_ref(q.float(), k.float(), v.float(), g.float(), beta.float(), scale, initial_state,
+                                       output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+                                       state_layout=state_layout, chunk_size=chunk_size)
+    return o.to(v.dtype), ht
+
+
+def fake_conv(x, weight, bias=None, activation="silu", *, cu_seqlens=None, conv_state=None, conv_state_indices=None):
+    return causal_conv1d_ref(x.float(), weight.float(), bias, activation)[0].to(x.dtype)
+
+
+def fake_fla_recurrent(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
+                       output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, A_log=None,
+                       dt_bias=None, use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, state_v_first=False,
+                       cu_seqlens=None):
+    assert use_gate_in_kernel and use_beta_sigmoid_in_kernel   # g / beta are the raw a / b
+    o, st = recurrent_gated_delta_rule_ref(q.float(), k.float(), v.float(), scale=scale,
+                                           initial_state=initial_state.float(), output_final_state=output_final_state,
+                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                           state_layout="k_last" if state_v_first else "v_last", A_log=A_log,
+                                           a=g.float(), dt_bias=dt_bias, b=beta.float())
+    return o.to(v.dtype), st
+
+
+def fake_fla_conv(x, weight=None, bias=None, residual=None, initial_state=None, output_final_state=False,
+                  activation=None, backend="triton", cu_seqlens=None):
+    return fake_conv(x, weight, bias, activation), None
+
+
+def fake_fi_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, output=None, use_qk_l2norm=True, **kw):
+    return fake_decode(q, k, v, state, A_log, a, dt_bias, b, scale, use_qk_l2norm=use_qk_l2norm)
+
+
+def fake_fi_mtp(q, k, v, initial_state, initial_state_indices, A_log, a, dt_bias, b, scale=None, output=None,
+                intermediate_states_buffer=None, ssm_state_indices=None, disable_state_update=None,
+                use_qk_l2norm=True):
+    assert disable_state_update is False and ssm_state_indices.dtype == torch.int32
+    acc = torch.tensor([int((ssm_state_indices[n] == initial_state_indices[n]).nonzero()[0]) + 1
+                        for n in range(q.shape[0])])
+    return fake_recurrent(q, k, v, initial_state=initial_state, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                          state_layout="k_last", ssm_state_indices=ssm_state_indices, num_accepted_tokens=acc,
+                          A_log=A_log, a=a, dt_bias=dt_bias, b=b)
+
+
+def fake_fi_prefill(q, k, v, g=None, beta=None, scale=None, initial_state=None, output_final_state=False,
+                    cu_seqlens=None, use_qk_l2norm_in_kernel=False, **kw):
+    """FlashInfer's convention: packed [total, heads, dim], LINEAR decay alpha, k-last states."""
+    assert q.dim() == 3 and g.dtype == torch.float32 and bool((g > 0).all()) and cu_seqlens is not None
+    o, ht = chunk_gated_delta_rule_ref(q[None].float(), k[None].float(), v[None].float(), torch.log(g)[None],
+                                       beta[None], scale, initial_state, output_final_state, cu_seqlens,
+                                       use_qk_l2norm_in_kernel, state_layout="k_last")
+    return o[0].to(v.dtype), ht
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    for name, fn in [("gated_delta_rule_decode", fake_decode), ("fused_recurrent_gated_delta_rule", fake_recurrent),
+                     ("chunk_gated_delta_rule", fake_chunk), ("causal_conv1d", fake_conv)]:
+        monkeypatch.setattr(gdn.ops, name, fn)
+    for name, fn in [("fla_recurrent", fake_fla_recurrent), ("fla_chunk", fake_chunk), ("fla_conv", fake_fla_conv),
+                     ("flashinfer_decode", fake_fi_decode), ("flashinfer_mtp", fake_fi_mtp),
+                     ("flashinfer_prefill", fake_fi_prefill)]:
+        monkeypatch.setattr(P, name, lambda fn=fn: fn)
+
+
+def _ctx(peers=("fla", "flashinfer"), check_tokens=24):
+    return runners.Ctx(torch.device("cpu"), HostTimer(target_s=0.0, min_samples=1, max_samples=1), 1 << 13,
+                       frozenset(peers), check_tokens=check_tokens, check_seqs=4)
+
+
+TINY = dict(H=2, HV=4, K=16, V=16)
+
+
+def _case(op, batch, seqlen, state=None, **kw):
+    return C.Case(op, "tiny", batch, seqlen, state_dtype=state, **{**TINY, **kw})
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# cost model and cases
+# ----------------------------------------------------------------------------------------------------------------------
+def test_flop_counts_at_model_dims():
+    assert C.chunk_fwd_flops_per_token_head(128, 128) == pytest.approx(6 * 128 * 128 + 128 * 640 + 2 / 3 * 64 * 64)
+    assert C.chunk_bwd_flops_per_token_head(128, 128) == 16 * 128 * 128 + 128 * (8 * 128 + 5 * 128) + 4 * 64 * 64
+    c = C.Case("chunk_fwd", "m", 1, 8192, 16, 32, state_dtype="fp32")
+    assert C.cost(c)["flops"] == pytest.approx(8192 * 32 * C.chunk_fwd_flops_per_token_head(128, 128))
+
+
+def test_decode_bytes_read_and_write_the_state():
+    c = C.Case("decode", "m", 4, 1, 16, 32, state_dtype="bf16")
+    state = 2 * 4 * 32 * 128 * 128 * 2
+    io = 4 * (2 * 16 * 128 + 2 * 32 * 128) * 2 + 4 * 2 * 32 * 2 + 2 * 32 * 4
+    assert C.cost(c)["bytes"] == state + io
+    f = C.floors_ms(c, 4270.0, 790.0)
+    assert f["mem_floor_ms"] == pytest.approx((state + io) / 4270e9 * 1e3)
+
+
+def test_recurrent_bytes_count_every_written_state_and_fla_variant_fewer():
+    c = C.Case("recurrent", "m", 8, 4, 16, 32, state_dtype="fp32")
+    gdn, fla = C.cost(c)["bytes"], C.cost(c, "fla_recurrent")["bytes"]
+    assert gdn - fla == pytest.approx(8 * 3 * 32 * 128 * 128 * 4 + 8 * 4 * 4 + 8 * 4)
+
+
+def test_case_lists():
+    quick, full = C.quick_cases(), C.full_cases()
+    assert {c.op for c in quick} == set(C.OPS) == {c.op for c in full}
+    assert [c.key for c in full[:len(quick)]] == [c.key for c in quick]      # headline cases first
+    assert len({c.key for c in full}) == len(full)
+    keys = {(c.op, c.batch, c.seqlen, c.H, c.HV) for c in full}
+    for need in [("chunk_fwd", 1, 65536, 2, 8), ("chunk_fwd", 1, 32768, 64, 64), ("chunk_fwd", 4, 4096, 16, 32),
+                 ("decode", 2048, 1, 16, 64), ("decode", 1, 1, 4, 8), ("recurrent", 64, 8, 16, 32)]:
+        assert need in keys
+    assert {c.state_dtype for c in full if c.op == "decode"} == {"fp32", "bf16"}
+    assert C.select(full, ["conv"], "qwen35") == [c for c in full if c.op == "conv" and "qwen35" in c.key]
+
+
+def test_rotation_sets():
+    assert rotation_sets(1e9, 50 << 20) == 1
+    assert rotation_sets(10 << 20, 50 << 20) == 10
+    assert rotation_sets(1, 50 << 20) == 128
+    assert rotation_sets(None, 50 << 20) == 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# rows, JSON, table, plot
+# ----------------------------------------------------------------------------------------------------------------------
+def _synthetic_rows():
+    rows = []
+    for c, (g, f, fi, err) in zip(
+            [C.Case("decode", "qwen3next-tp1", 32, 1, 16, 32, state_dtype="fp32"),
+             C.Case("chunk_fwd", "qwen3next-tp1", 1, 8192, 16, 32, state_dtype="fp32"),
+             C.Case("recurrent", "qwen3next-tp1", 64, 4, 16, 32, state_dtype="fp32"),
+             C.Case("layer", "qwen3next-tp1", 4, 4096, 16, 32, hidden=2048)],
+            [(0.04, 0.05, 0.035, 2e-3), (0.2, 0.3, 0.25, 4e-3), (None, 0.1, 0.2, None),
+             (6.0, 7.5, None, float("inf"))]):
+        row = runners.new_row(c)
+        row.update(gdn_ms=g, fla_ms=f, flashinfer_ms=fi, gdn_err=err)
+        if g is None:
+            row["errors"]["gdn"] = "NotImplementedError: not yet"
+        rows.append(report.finalize_row(row, 4270.0, 790.0))
+    rows.append(report.finalize_row(report.skipped_row(C.Case("conv", "m", 1, 8192, 16, 32), "time budget"),
+                                    4270.0, 790.0))
+    return rows
+
+
+def test_row_schema_speedups_and_fractions():
+    rows = _synthetic_rows()
+    for r in rows:
+        assert set(report.ROW_FIELDS) <= set(r)
+        json.dumps(report._clean(r), allow_nan=False)
+    dec, chunk, rec, layer, skipped = rows
+    assert dec["speedup_vs_fla"] == pytest.approx(0.05 / 0.04)
+    assert dec["speedup_vs_flashinfer"] == pytest.approx(0.035 / 0.04)
+    assert dec["bound"] == "memory" and dec["frac_of_limit"] == pytest.approx(dec["frac_of_copy_bw"])
+    assert dec["frac_of_copy_bw"] == pytest.approx(dec["mem_floor_ms"] / 0.04)
+    assert chunk["bound"] == "compute" and chunk["frac_of_matmul"] == pytest.approx(chunk["compute_floor_ms"] / 0.2)
+    assert rec["gdn_ms"] is None and rec["speedup_vs_fla"] is None and rec["frac_of_limit"] is None
+    assert rec["fla_frac_of_limit"] < rec["flashinfer_frac_of_limit"] * 2   # fla's own (smaller) byte count
+    assert layer["bytes"] is None and layer["frac_of_copy_bw"] is None and layer["frac_of_matmul"] > 0
+    assert skipped["skipped"] == "time budget" and skipped["gdn_ms"] is None
+
+
+def test_json_roundtrip_without_nan(tmp_path):
+    rows = _synthetic_rows()
+    path = report.write_json(str(tmp_path / "sub" / "dev.json"), {"device": "X", "copy_GBps": 1.0,
+                                                                   "bf16_TFLOPs": float("nan")}, rows)
+    text = open(path).read()
+    doc = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
+    assert doc["device"] == "X" and doc["bf16_TFLOPs"] == "nan" and len(doc["rows"]) == len(rows)
+    assert doc["rows"][3]["gdn_err"] == "inf"
+    assert report.load_json(path)["rows"][0]["key"] == rows[0]["key"]
+    assert report.load_json(str(tmp_path / "missing.json")) is None
+    assert report.result_stem("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+def test_table_and_summary():
+    rows = _synthetic_rows()
+    text = report.format_table(rows)
+    lines = text.splitlines()
+    assert lines[0].split()[:3] == ["op", "model", "shape"] and len(lines) == 2 + len(rows)
+    assert [l.split()[0] for l in lines[2:]] == ["decode", "recurrent", "chunk_fwd", "conv", "layer"]   # by op
+    line = {l.split()[0]: l for l in lines[2:]}
+    assert "1.25" in line["decode"] and "NotImplementedError" in line["recurrent"]
+    assert "skipped: time budget" in line["conv"] and "gdn error above 5e-2" in line["layer"]
+    # a JSON record read back (non-finite numbers as strings) formats too
+    assert report.format_table(json.loads(json.dumps(report._clean(rows))))
+    summ = "\n".join(report.summary_lines(rows))
+    assert "decode: gdn timed 1/1" in summ and "recurrent: gdn timed 0/1" in summ
+
+
+def test_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = write_plot(_synthetic_rows(), str(tmp_path / "p.png"), title="t")
+    assert path and open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    assert write_plot([], str(tmp_path / "none.png")) is None
+
+
+def test_plot_without_matplotlib(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import fails
+    assert write_plot(_synthetic_rows(), str(tmp_path / "p.png")) is None
+
+
+def test_progress_text_fallback(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    buf = io.StringIO()
+    p = Progress(4, desc="b", file=buf)
+    for i in range(4):
+        p.update(f"case {i}")
+    p.close()
+    out = buf.getvalue().splitlines()
+    assert len(out) == 4 and out[-1].startswith("b [" + "#" * 30 + "] 4/4") and "case 3" in out[-1]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# command line
+# ----------------------------------------------------------------------------------------------------------------------
+def _args(argv):
+    p = argparse.ArgumentParser()
+    B.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def test_argument_parsing():
+    a = _args([])
+    assert a.ops == ",".join(C.OPS) and a.out == os.path.join("bench", "results") and a.device == "cuda"
+    assert not a.quick and not a.no_peers and a.budget_s is None
+    a = _args(["--quick", "--ops", "decode,chunk_fwd", "--out", "x", "--no-peers", "--device", "cuda:1",
+               "--budget-s", "30", "--resume-from", "r.json", "--tag", "v1"])
+    assert (a.quick, a.ops, a.out, a.no_peers, a.device, a.budget_s, a.resume_from, a.tag) == \
+        (True, "decode,chunk_fwd", "x", True, "cuda:1", 30.0, "r.json", "v1")
+
+
+def test_cli_list_floors_and_bad_ops(capsys):
+    from gdn.cli import main as cli
+
+    assert cli(["bench", "--quick", "--list", "--ops", "decode"]) == 0
+    out = capsys.readouterr().out.split()
+    assert out and all(k.startswith("decode|") for k in out)
+    assert cli(["bench", "--floors", "--quick", "--ops", "chunk_fwd"]) == 0
+    assert "chunk_fwd qwen3next-tp1 1x8192" in capsys.readouterr().out
+    assert cli(["bench", "--ops", "decode,warp"]) == 2
+    assert "unknown warp" in capsys.readouterr().err
+
+
+def test_no_cuda_exits_cleanly(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert B.main(_args(["--quick"])) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err
+
+
+def test_no_cuda_exits_cleanly_from_the_command_line(tmp_path):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.path.join(REPO, "src"))
+    p = subprocess.run([sys.executable, "-m", "gdn.cli", "bench", "--quick", "--out", str(tmp_path)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "no CUDA device" in p.stderr and "Traceback" not in p.stderr
+    assert not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# runners end to end (host timer, stand-ins)
+# ----------------------------------------------------------------------------------------------------------------------
+def _check_row(row, impls, tol=1e-2):
+    for name in impls:
+        assert row[f"{name}_ms"] is not None and row[f"{name}_ms"] > 0, (name, row["errors"])
+        assert row[f"{name}_err"] is not None and row[f"{name}_err"] < tol, (name, row["err_detail"])
+
+
+@pytest.mark.parametrize("sd", ["fp32", "bf16"])
+def test_decode_runner(fakes, sd):
+    row = runners.run_case(_case("decode", 5, 1, sd), _ctx())
+    _check_row(row, ["gdn", "fla", "flashinfer"])
+    assert set(row["err_detail"]["gdn"]) == {"o", "state"} and not row["errors"]
+
+
+def test_recurrent_runner(fakes):
+    row = runners.run_case(_case("recurrent", 5, 3, "fp32"), _ctx())
+    _check_row(row, ["gdn", "fla", "flashinfer"])
+    assert set(row["err_detail"]["gdn"]) == {"o", "states"}
+    assert any(n.startswith("fla: no state pool") for n in row["notes"])
+    row = runners.run_case(_case("recurrent", 3, 2, "bf16"), _ctx())
+    _check_row(row, ["gdn", "fla"])
+    assert row["flashinfer_ms"] is None and "float32 pool" in row["errors"]["flashinfer"]
+
+
+def test_chunk_runners(fakes):
+    row = runners.run_case(_case("chunk_fwd", 2, 40, "fp32"), _ctx())
+    _check_row(row, ["gdn", "fla", "flashinfer"])
+    assert row["gdn_vs_fla"] == 0.0 and row["gdn_vs_flashinfer"] < 1e-2   # bf16 rounding apart
+    assert "first 24 tokens" in row["err_what"]
+    row = runners.run_case(_case("chunk_fwd_bwd", 1, 40, "fp32"), _ctx())
+    _check_row(row, ["gdn", "fla"])
+    assert set(row["err_detail"]["gdn"]) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta"}
+    assert "no GDN backward" in row["errors"]["flashinfer"]
+
+
+def test_conv_runner(fakes):
+    row = runners.run_case(_case("conv", 2, 50), _ctx())
+    _check_row(row, ["gdn", "fla"])
+
+
+def test_wrong_result_shows_in_the_error_column(fakes, monkeypatch):
+    def off_by_a_bit(*a, **k):
+        o, st = fake_decode(*a, **k)
+        return o * 1.1, st
+    monkeypatch.setattr(gdn.ops, "gated_delta_rule_decode", off_by_a_bit)
+    row = runners.run_case(_case("decode", 5, 1, "fp32"), _ctx(peers=()))
+    assert row["err_detail"]["gdn"]["o"] == pytest.approx(0.1, rel=0.05)
+
+
+def test_not_implemented_and_broken_peer_are_recorded(fakes, monkeypatch):
+    def nyi(*a, **k):
+        raise NotImplementedError("chunk_gated_delta_rule is not implemented yet")
+
+    def bad_signature(q, k, v, g, beta, nonsense):   # a peer whose signature changed
+        raise AssertionError("unreachable")
+    monkeypatch.setattr(gdn.ops, "chunk_gated_delta_rule", nyi)
+    monkeypatch.setattr(P, "fla_chunk", lambda: bad_signature)
+    row = report.finalize_row(runners.run_case(_case("chunk_fwd", 1, 40, "fp32"), _ctx()), 100.0, 1.0)
+    assert row["gdn_ms"] is None and row["errors"]["gdn"].startswith("NotImplementedError: chunk_gated")
+    assert row["fla_ms"] is None and row["errors"]["fla"].startswith("TypeError")
+    assert row["flashinfer_ms"] > 0 and row["speedup_vs_flashinfer"] is None
+
+
+def test_dev_rel_err_matches_testing_rel_err():
+    x, y = torch.randn(3, 5, dtype=torch.bfloat16), torch.randn(3, 5)
+    assert runners.dev_rel_err(x, y) == pytest.approx(rel_err(x, y))
+    assert runners.dev_rel_err(torch.full((2,), float("nan")), torch.ones(2)) == math.inf
+
+
+def test_fla_guard_bypass(monkeypatch):
+    mod = types.ModuleType("fla.ops.common.chunk_o")
+    mod.IS_NVIDIA_HOPPER, mod.TRITON_ABOVE_3_4_0, mod.TRITON_ABOVE_3_7_1 = True, True, False
+    monkeypatch.setitem(sys.modules, "fla.ops.common.chunk_o", mod)
+    with P.fla_bwd_guard_bypassed() as active:
+        assert active and mod.TRITON_ABOVE_3_7_1 is True
+    assert mod.TRITON_ABOVE_3_7_1 is False
+
+
+class _FakeDevice:
+    """The CPU in place of the GPU for ``_run``: a host timer and made-up ceilings."""
+
+    def __init__(self, dev, quick, target_s):
+        self.dev, self.name, self.l2_bytes, self.info = dev, "Fake GPU", 1 << 13, {"sm_count": 0}
+        self.timer = HostTimer(target_s=0.0, min_samples=1, max_samples=1)
+
+    def ceilings(self):
+        return 100.0, 1.0
+
+
+def test_bench_run_writes_record_and_resumes(fakes, monkeypatch, tmp_path, capsys):
+    cases = [_case("decode", 3, 1, "fp32"), _case("chunk_fwd", 1, 40, "fp32"), _case("conv", 1, 30)]
+    args = _args(["--out", str(tmp_path), "--no-plot", "--check-tokens", "24"])
+    assert B._run(args, cases, [], torch.device("cpu"), device_cls=_FakeDevice) == 0
+    out = capsys.readouterr().out
+    doc = json.load(open(tmp_path / "fake-gpu.json"))
+    assert doc["device"] == "Fake GPU" and doc["copy_GBps"] == 100.0 and doc["bf16_TFLOPs"] == 1.0
+    assert [r["key"] for r in doc["rows"]] == [c.key for c in cases]
+    assert all(r["gdn_ms"] > 0 and r["gdn_err"] < 1e-2 for r in doc["rows"])
+    assert "decode" in out and "wrote" in out
+    # resume from that record: measured rows are kept, a skipped one is measured
+    doc["rows"][2]["skipped"], doc["rows"][2]["gdn_ms"] = "time budget", None
+    json.dump(doc, open(tmp_path / "prev.json", "w"))
+    calls = []
+    monkeypatch.setattr(gdn.ops, "gated_delta_rule_decode", lambda *a, **k: calls.append(1) or fake_decode(*a, **k))
+    args = _args(["--out", str(tmp_path / "r"), "--no-plot", "--resume-from", str(tmp_path / "prev.json"), "--tag",
+                  "again"])
+    assert B._run(args, cases, [], torch.device("cpu"), device_cls=_FakeDevice) == 0
+    doc2 = json.load(open(tmp_path / "r" / "fake-gpu-again.json"))
+    assert not calls and doc2["rows"][0] == doc["rows"][0] and doc2["rows"][2]["gdn_ms"] > 0
+
+
+def test_bench_run_budget_skips(fakes, tmp_path, capsys):
+    cases = [_case("conv", 1, 30), _case("conv", 2, 30)]
+    args = _args(["--out", str(tmp_path), "--no-plot", "--budget-s", "0"])
+    assert B._run(args, cases, [], torch.device("cpu"), device_cls=_FakeDevice) == 0
+    rows = json.load(open(tmp_path / "fake-gpu.json"))["rows"]
+    assert [r["skipped"] for r in rows] == ["time budget", "time budget"]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the GPU session script (its stage machinery, on CPU)
+# ----------------------------------------------------------------------------------------------------------------------
+def _session_module():
+    spec = importlib.util.spec_from_file_location("gpu_session", os.path.join(REPO, "bench", "gpu_session.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_session_runs_a_sweep_command_and_summarizes(tmp_path, capsys):
+    gs = _session_module()
+    sweep = json.dumps({"variants": [{"name": "v1", "env": {"GDN_X": "7"},
+                                      "cmd": [sys.executable, "-c", "import os, sys; print('X', os.environ['GDN_X'], "
+                                                                    "os.environ['OUT'], sys.argv[1])", "{out}/f"]},
+                                     {"name": "fails", "cmd": [sys.executable, "-c", "raise SystemExit(4)"]}]})
+    rc = gs.main(["--out", str(tmp_path), "--stages", "sweep", "--sweep", sweep, "--budget-s", "60"])
+    out = capsys.readouterr().out
+    assert rc == 1   # one variant failed
+    vdir = str(tmp_path / "sweep" / "v1")
+    assert f"X 7 {vdir} {vdir}/f" in open(tmp_path / "sweep" / "v1" / "log.txt").read()
+    assert "session summary" in out and "1/2 ok" in out and "fails: exit 4" in out
+    assert (tmp_path / "summary.txt").exists() and json.load(open(tmp_path / "summary.json"))["stages"]
+
+
+def test_gpu_session_resumes_a_bench_that_lost_its_cuda_context(tmp_path, monkeypatch, capsys):
+    gs = _session_module()
+    log = tmp_path / "argv.txt"
+    script = ("import sys; open(sys.argv[1], 'a').write(' '.join(sys.argv[2:]) + '\\n'); "
+              "sys.exit(0 if '--resume' in sys.argv else 3)")
+    monkeypatch.setattr(gs, "_bench_cmd", lambda out, extra, budget: [sys.executable, "-c", script, str(log)] + extra)
+    rc = gs.main(["--out", str(tmp_path), "--stages", "bench", "--budget-s", "200",
+                  "--bench-args=--ops decode --resume-from old.json"])
+    calls = log.read_text().splitlines()
+    assert rc == 0 and calls == ["--ops decode --resume-from old.json", "--ops decode --resume"]
+    assert "bench   ok" in capsys.readouterr().out
