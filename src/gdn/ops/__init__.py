@@ -3,6 +3,7 @@ from .chunk import chunk_gated_delta_rule
 from .conv import causal_conv1d, causal_conv1d_update
 from .decode import gated_delta_rule_decode
 from .gate import gdn_gate
+from .norm import gated_rms_norm
 from .recurrent import fused_recurrent_gated_delta_rule
 
 __all__ = [
@@ -12,4 +13,5 @@ __all__ = [
     "gdn_gate",
     "causal_conv1d",
     "causal_conv1d_update",
+    "gated_rms_norm",
 ]
