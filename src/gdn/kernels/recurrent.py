@@ -166,7 +166,7 @@ def recurrent_gdn_fwd_kernel(
                 tl.store(p_o + t * (HV * V), tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty), mask=o_v < V)
 
 
-def _block_v(N: int, HV: int, K: int, V: int, state_bytes: int) -> tuple:
+def _block_v(N: int, HV: int, K: int, V: int, state_bytes: int, single: bool = True) -> tuple:
     """(BV, num_warps, NV_LOOP, num_stages) from H200 sweeps (bench/results/sweep_decode*_h200.json, K = V = 128):
     small batches want many small programs; large fp32 states one program per head with the whole 128x128 tile and
     8 warps; large 16-bit states 16-column tiles, 8 per program, software-pipelined two deep."""
@@ -174,6 +174,8 @@ def _block_v(N: int, HV: int, K: int, V: int, state_bytes: int) -> tuple:
     nhv = N * HV
     if nhv < 2048:
         BV, warps, nv_loop, stages = 8, 1, 1, 1
+    elif not single:  # several tokens per program: more, smaller programs keep the per-token state writes in flight
+        BV, warps, nv_loop, stages = 32, 4, 1, 1
     elif state_bytes >= 4:
         BV, warps, nv_loop, stages = 128, 8, 1, 1
     else:
@@ -199,7 +201,8 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
     if N == 0 or o.numel() == 0 and write_mode == 0:
         return o
     st = state_in if state_in is not None else state_out
-    BV, warps, nv_loop, stages = _block_v(N, HV, K, V, st.element_size() if st is not None else 4)
+    single = cu_seqlens is None and seqlen == 1
+    BV, warps, nv_loop, stages = _block_v(N, HV, K, V, st.element_size() if st is not None else 4, single)
     nv_loop = max(1, min(nv_loop, triton.cdiv(V, BV)))
     gate_raw = g is None
     beta_mode = 1 if beta is not None else (2 if b is not None else 0)
@@ -219,7 +222,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), idx.stride(0) if idx is not None and idx.dim() == 2 else 1,
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, NV_LOOP=nv_loop,
-        VARLEN=cu_seqlens is not None, SINGLE=cu_seqlens is None and seqlen == 1, GATE_RAW=gate_raw, BETA_MODE=beta_mode, L2NORM=bool(l2norm),
+        VARLEN=cu_seqlens is not None, SINGLE=single, GATE_RAW=gate_raw, BETA_MODE=beta_mode, L2NORM=bool(l2norm),
         READ_MODE=read_mode, IDX_2D=idx is not None and idx.dim() == 2, SPEC=num_accepted is not None,
         WRITE_MODE=write_mode, K_LAST=bool(k_last), EVICT=os.environ.get("GDN_RECURRENT_EVICT", ""),
         num_warps=warps, num_stages=stages,

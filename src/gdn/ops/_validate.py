@@ -95,7 +95,7 @@ def host_checks_allowed(device: torch.device) -> bool:
 
     if os.environ.get("GDN_SKIP_VALUE_CHECKS", "0") == "1":
         return False
-    return not (_capturing(device) or _compiling())
+    return not (_compiling() or _capturing(device))  # order matters: dynamo cannot trace the capture query
 
 
 def cu_seqlens(cu: Optional[torch.Tensor], B: int, T: int, device: torch.device) -> int:
