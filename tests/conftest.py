@@ -6,6 +6,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # pytest-xdist runs one worker per core: more intra-op threads per worker only oversubscribe the CPU
+    torch.set_num_threads(1)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

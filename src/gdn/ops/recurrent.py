@@ -215,6 +215,8 @@ def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None
     state_in = initial_state if plan.read_mode != READ_ZERO else None
     if use_triton(q.device):
         contig = lambda x: None if x is None else x.contiguous()  # noqa: E731  (gates are [B, T, HV]: small)
+        if ssm_state_indices is not None and ssm_state_indices.dim() == 1:
+            ssm_state_indices = ssm_state_indices.contiguous()  # the kernel reads idx[n] with stride 1
         inplace = plan.write_mode in (WRITE_SAME_ROW, WRITE_PER_TOKEN)
         args = (q, k, v, o, contig(g), contig(beta), contig(A_log), contig(a), contig(dt_bias), contig(b),
                 None if inplace else state_in, final, ssm_state_indices, num_accepted_tokens, cu_seqlens,

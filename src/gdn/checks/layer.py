@@ -1,0 +1,116 @@
+"""gdn check: the GatedDeltaNet block vs a pure-reference forward of the same weights (float64), its backward, and
+the cached paths: prefill + decode == one full forward, speculative verify == plain decode."""
+import torch
+
+from ..layers import GatedDeltaNet, GDNCache, gated_deltanet_ref
+from ..testing import rel_err
+from . import Result, register
+
+
+def _cfg(device):
+    if device.type == "cuda":
+        return dict(hidden=512, H=4, HV=8, K=64, V=64, B=2, T=200, n=150, m=6, lens=[1, 63, 64, 65, 130])
+    return dict(hidden=32, H=2, HV=4, K=16, V=16, B=2, T=20, n=14, m=3, lens=[1, 6, 0, 9])
+
+
+def _layer(c, device, projection="qwen3_next", dtype=torch.float32):
+    layer = GatedDeltaNet(c["hidden"], c["H"], c["HV"], c["K"], c["V"], projection=projection).to(device, dtype)
+    with torch.no_grad():
+        layer.norm.weight.uniform_(0.5, 1.5)
+    return layer
+
+
+@register
+def layer_forward(device):
+    c = _cfg(device)
+    out = []
+    for projection in ("qwen3_next", "qwen3_5"):
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+            layer = _layer(c, device, projection, dtype)
+            x = torch.randn(c["B"], c["T"], c["hidden"], device=device)
+            with torch.no_grad():
+                y = layer(x.to(dtype))
+                y_ref, _, _ = gated_deltanet_ref(layer, x.to(dtype))
+            out.append(Result("layer", f"forward {projection} {str(dtype)[6:]}", rel_err(y, y_ref), tol))
+    layer = _layer(c, device)
+    cu = torch.tensor([0] + list(torch.tensor(c["lens"]).cumsum(0)), device=device, dtype=torch.int32)
+    x = torch.randn(1, int(cu[-1]), c["hidden"], device=device)
+    with torch.no_grad():
+        y_ref, _, _ = gated_deltanet_ref(layer, x, cu)
+        out.append(Result("layer", "forward varlen fp32", rel_err(layer(x, cu_seqlens=cu), y_ref), 1e-4))
+    return out
+
+
+@register
+def layer_backward(device):
+    c = _cfg(device)
+    layer = _layer(c, device)
+    x = torch.randn(c["B"], c["T"], c["hidden"], device=device, requires_grad=True)
+    dy = torch.randn(c["B"], c["T"], c["hidden"], device=device)
+    layer(x).backward(dy)
+    ref_layer = _layer(c, "cpu")
+    ref_layer.load_state_dict({k: v.cpu() for k, v in layer.state_dict().items()})
+    x64 = x.detach().cpu().double().requires_grad_()
+    y_ref, _, _ = gated_deltanet_ref(ref_layer, x64)
+    y_ref.backward(dy.cpu().double())
+    worst, name = rel_err(x.grad, x64.grad), "dx"
+    for (n, p), (_, pr) in zip(layer.named_parameters(), ref_layer.named_parameters()):
+        e = rel_err(p.grad, pr.grad) if p.grad is not None else float("inf")
+        if e > worst:
+            worst, name = e, n
+    return [Result("layer", "backward fp32 (worst grad)", worst, 1e-4, note=f"worst: {name}")]
+
+
+@register
+def layer_prefill_decode(device):
+    c = _cfg(device)
+    out = []
+    for state_dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        layer = _layer(c, device)
+        n, m = c["n"], c["m"]
+        x = torch.randn(c["B"], n + m, c["hidden"], device=device)
+        with torch.no_grad():
+            full = layer(x)
+            cache = GDNCache.for_layers(layer, num_slots=c["B"] + 2, dtype=state_dtype)
+            slots = cache.allocate(c["B"] + 2)[2:]
+            ys = [layer(x[:, :n], cache=cache.batch(slots))]
+            ys += [layer(x[:, t:t + 1], cache=cache.batch(slots)) for t in range(n, n + m)]
+        out.append(Result("layer", f"prefill+decode == full ({str(state_dtype)[6:]} state)",
+                          rel_err(torch.cat(ys, 1), full), tol))
+    return out
+
+
+@register
+def layer_speculative(device):
+    """Verify T draft tokens with 2-D slots, commit a per-request accepted count, verify again: equals decoding only
+    the accepted tokens one by one."""
+    c = _cfg(device)
+    layer = _layer(c, device)
+    N, S, n = 3, 4, c["n"]
+    acc = [2, 4, 1]
+    prompt = torch.randn(N, n, c["hidden"], device=device)
+    draft = torch.randn(N, S, c["hidden"], device=device)
+    nxt = torch.randn(N, 2, c["hidden"], device=device)
+    with torch.no_grad():
+        cache = GDNCache.for_layers(layer, num_slots=N * S)
+        slots = cache.allocate(N, width=S)
+        layer(prompt, cache=cache.batch(slots[:, 0]))
+        y1 = layer(draft, cache=cache.batch(slots))
+        cache.commit(slots, torch.tensor(acc, device=device))
+        y2 = layer(nxt, cache=cache.batch(slots))
+        plain = GDNCache.for_layers(layer, num_slots=N)
+        ps = plain.allocate(N)
+        layer(prompt, cache=plain.batch(ps))
+        p1 = torch.cat([layer(draft[:, t:t + 1], cache=plain.batch(ps)) for t in range(S)], 1)
+        e1 = rel_err(y1, p1)
+        e2 = 0.0
+        for i in range(N):
+            replay = GDNCache.for_layers(layer, num_slots=1)
+            rs = replay.allocate(1)
+            layer(prompt[i:i + 1], cache=replay.batch(rs))
+            for t in range(acc[i]):
+                layer(draft[i:i + 1, t:t + 1], cache=replay.batch(rs))
+            want = torch.cat([layer(nxt[i:i + 1, t:t + 1], cache=replay.batch(rs)) for t in range(2)], 1)
+            e2 = max(e2, rel_err(y2[i:i + 1], want))
+    return [Result("layer", "speculative verify == decode", e1, 1e-4),
+            Result("layer", "speculative commit + verify == decode accepted", e2, 1e-4)]

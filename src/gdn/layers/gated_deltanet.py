@@ -1,0 +1,357 @@
+"""The Gated DeltaNet block (Qwen3-Next / Qwen3.5 linear-attention layer) on gdn's ops.
+
+Data flow (seed 004, "Block compute flow")::
+
+    x ─ in_proj ─┬─ q|k|v (packed channels) ─ causal conv1d + SiLU ─ q, k (L2-normalised in the kernel), v ─┐
+                 ├─ a, b ─ g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) ──────────────────────┤
+                 │                                                             gated delta rule ─ o ────────┘
+                 └─ z ─────────────────────────────────────────── gated RMSNorm(o, z) ─ out_proj ─ y
+
+Paths: without a cache (training) the chunked op runs end to end and everything is differentiable. With a cache
+(:class:`gdn.layers.GDNCache`) prefill runs the chunked op reading/writing the state pools through slot indices,
+decode (one token per sequence) and speculative verification (2-D slots) run the recurrent op.
+
+Parameter names and layouts follow Hugging Face's ``Qwen3NextGatedDeltaNet`` (``projection="qwen3_next"``:
+``in_proj_qkvz`` grouped per key head, ``in_proj_ba``) or ``Qwen3_5GatedDeltaNet`` (``projection="qwen3_5"``:
+``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``), so ``load_state_dict(hf_layer.state_dict())`` works
+(see :meth:`GatedDeltaNet.from_hf`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .. import ops
+from .. import reference as ref
+from .cache import GDNCache, GDNCacheBatch
+from .norm import GatedRMSNorm
+
+__all__ = ["GatedDeltaNet", "gated_deltanet_ref"]
+
+PROJECTIONS = ("qwen3_next", "qwen3_5")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# tensor parallelism (heads sharded over tp_group, see gdn.distributed.tensor_parallel): column-parallel
+# in-projections, row-parallel out_proj
+# ----------------------------------------------------------------------------------------------------------------------
+def _tp_world(group) -> Tuple[int, int]:
+    if group is None:
+        return 1, 0
+    import torch.distributed as dist
+
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the block
+# ----------------------------------------------------------------------------------------------------------------------
+class GatedDeltaNet(nn.Module):
+    """Gated DeltaNet block.
+
+    Args:
+        hidden_size: model width.
+        num_k_heads, num_v_heads: H (q/k heads) and HV (value heads, a multiple of H).
+        head_k_dim, head_v_dim: K and V.
+        conv_size: W, width of the depthwise causal conv over the packed Q|K|V channels.
+        norm_eps: epsilon of the gated RMSNorm.
+        layer_idx: the layer's index in a model (selects its pools in a shared :class:`GDNCache`).
+        projection: ``"qwen3_next"`` (``in_proj_qkvz`` + ``in_proj_ba``, grouped per key head) or ``"qwen3_5"``
+            (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``).
+        conv_bias: give the conv a bias (Qwen3-Next has none).
+        chunk_size: chunk length of the chunked op.
+        tp_group: ``torch.distributed`` process group to shard heads over (tensor parallelism); the layer then holds
+            ``num_k_heads / world`` key heads and ``num_v_heads / world`` value heads and all-reduces ``out_proj``.
+    """
+
+    def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+                 conv_size: int = 4, norm_eps: float = 1e-6, *, layer_idx: int = 0, projection: str = "qwen3_next",
+                 conv_bias: bool = False, chunk_size: int = 64, tp_group=None, device=None, dtype=None):
+        super().__init__()
+        if projection not in PROJECTIONS:
+            raise ValueError(f"projection: expected one of {PROJECTIONS}, got {projection!r}")
+        if num_k_heads < 1 or num_v_heads % num_k_heads != 0:
+            raise ValueError(f"num_v_heads: expected a multiple of num_k_heads = {num_k_heads}, got {num_v_heads}")
+        if conv_size < 2:
+            raise ValueError(f"conv_size: expected at least 2, got {conv_size}")
+        tp, _ = _tp_world(tp_group)
+        if num_k_heads % tp != 0:
+            raise ValueError(f"tp_group: num_k_heads = {num_k_heads} is not divisible by the group size {tp}")
+        fk = {"device": device, "dtype": dtype}
+        self.hidden_size = hidden_size
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.conv_size = self.conv_kernel_size = conv_size
+        self.norm_eps = norm_eps
+        self.layer_idx = layer_idx
+        self.projection = projection
+        self.chunk_size = chunk_size
+        self.tp_group = tp_group if tp > 1 else None
+        self.tp_size = tp
+        self.local_num_k_heads, self.local_num_v_heads = num_k_heads // tp, num_v_heads // tp
+        H, HV, K, V = self.local_num_k_heads, self.local_num_v_heads, head_k_dim, head_v_dim
+        self.key_dim, self.value_dim = H * K, HV * V
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+
+        if projection == "qwen3_next":
+            self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False, **fk)
+            self.in_proj_ba = nn.Linear(hidden_size, 2 * HV, bias=False, **fk)
+        else:
+            self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False, **fk)
+            self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False, **fk)
+            self.in_proj_b = nn.Linear(hidden_size, HV, bias=False, **fk)
+            self.in_proj_a = nn.Linear(hidden_size, HV, bias=False, **fk)
+        # depthwise conv weight [conv_dim, 1, W] as in HF (only the parameter is used: the op takes [D, W])
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_size, groups=self.conv_dim, bias=conv_bias,
+                                padding=conv_size - 1, **fk)
+        self.A_log = nn.Parameter(torch.empty(HV, **fk))
+        self.dt_bias = nn.Parameter(torch.empty(HV, **fk))
+        self.norm = GatedRMSNorm(V, eps=norm_eps, **fk)
+        self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False, **fk)
+        self.reset_gate_parameters()
+        if self.tp_group is not None:  # the norm weight is shared by every head: sum its gradient over the group
+            from ..distributed.tensor_parallel import allreduce_grad_in_backward
+
+            allreduce_grad_in_backward(self.norm.weight, self.tp_group)
+
+    @torch.no_grad()
+    def reset_gate_parameters(self, dt_min: float = 1e-3, dt_max: float = 0.1, A_range=(1.0, 16.0)):
+        """Mamba-2 style gate init: ``A ~ U(A_range)``, ``dt ~ logU(dt_min, dt_max)``, ``dt_bias = softplus^-1(dt)``."""
+        HV = self.A_log.shape[0]
+        A = torch.empty(HV, dtype=torch.float32).uniform_(*A_range)
+        self.A_log.copy_(torch.log(A))
+        dt = torch.exp(torch.rand(HV) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
+
+    @classmethod
+    def from_hf(cls, hf_layer: nn.Module, **kwargs) -> "GatedDeltaNet":
+        """A GatedDeltaNet with the weights of a Hugging Face ``Qwen3NextGatedDeltaNet`` / ``Qwen3_5GatedDeltaNet``."""
+        projection = "qwen3_next" if hasattr(hf_layer, "in_proj_qkvz") else "qwen3_5"
+        w = hf_layer.A_log
+        tp_group = kwargs.pop("tp_group", None)
+        layer = cls(hf_layer.hidden_size, hf_layer.num_k_heads, hf_layer.num_v_heads, hf_layer.head_k_dim,
+                    hf_layer.head_v_dim, conv_size=hf_layer.conv_kernel_size, norm_eps=hf_layer.layer_norm_epsilon,
+                    layer_idx=getattr(hf_layer, "layer_idx", 0) or 0, projection=projection,
+                    conv_bias=hf_layer.conv1d.bias is not None, device=w.device, dtype=w.dtype, **kwargs)
+        layer.load_state_dict(hf_layer.state_dict())
+        if tp_group is not None:  # full weights first, then this rank's shard of the heads
+            from ..distributed.tensor_parallel import shard_gated_deltanet
+
+            layer = shard_gated_deltanet(layer, tp_group)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, heads=(k {self.num_k_heads}, v {self.num_v_heads}), "
+                f"head_dims=(k {self.head_k_dim}, v {self.head_v_dim}), conv_size={self.conv_size}, "
+                f"projection={self.projection!r}, layer_idx={self.layer_idx}"
+                + (f", tp={self.tp_size}" if self.tp_size > 1 else ""))
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # pieces
+    # ------------------------------------------------------------------------------------------------------------------
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        """``[conv_dim, W]`` view of the conv weight (what the ops take)."""
+        return self.conv1d.weight.squeeze(1)
+
+    def _project(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None):
+        """``x [B, T, hidden]`` -> ``mixed_qkv [B, T, conv_dim]`` (Q|K|V channels), ``z [B, T, HV, V]``, ``b``, ``a``
+        ``[B, T, HV]``. With ``dtype`` the weights are cast (the reference forward in float64)."""
+        B, T = x.shape[:2]
+        H, HV, K, V = self.local_num_k_heads, self.local_num_v_heads, self.head_k_dim, self.head_v_dim
+        r = HV // H
+
+        def lin(m):
+            return m(x) if dtype is None else F.linear(x, m.weight.to(dtype))
+
+        if self.projection == "qwen3_next":
+            qkvz = lin(self.in_proj_qkvz).view(B, T, H, 2 * K + 2 * r * V)
+            q, k, v, z = torch.split(qkvz, [K, K, r * V, r * V], dim=-1)
+            mixed = torch.cat([q.reshape(B, T, H * K), k.reshape(B, T, H * K), v.reshape(B, T, HV * V)], dim=-1)
+            b, a = torch.split(lin(self.in_proj_ba).view(B, T, H, 2 * r), [r, r], dim=-1)
+            return mixed, z.reshape(B, T, HV, V), b.reshape(B, T, HV), a.reshape(B, T, HV)
+        mixed = lin(self.in_proj_qkv)
+        z = lin(self.in_proj_z).view(B, T, HV, V)
+        return mixed, z, lin(self.in_proj_b), lin(self.in_proj_a)
+
+    def _split_qkv(self, y: torch.Tensor):
+        """Strided q/k/v views (last dimension contiguous) of the packed conv output ``[B, T, conv_dim]``."""
+        B, T = y.shape[:2]
+        kd = self.key_dim
+        q = y[..., :kd].unflatten(-1, (self.local_num_k_heads, self.head_k_dim))
+        k = y[..., kd:2 * kd].unflatten(-1, (self.local_num_k_heads, self.head_k_dim))
+        v = y[..., 2 * kd:].unflatten(-1, (self.local_num_v_heads, self.head_v_dim))
+        return q, k, v
+
+    def _resolve_cache(self, cache, N: int) -> Optional[GDNCacheBatch]:
+        if cache is None:
+            return None
+        if isinstance(cache, GDNCache):
+            if N > cache.num_slots:
+                raise ValueError(f"cache: {N} sequences but the cache has {cache.num_slots} slots; pass "
+                                 "cache.batch(slots) with allocated slots")
+            cache = cache.batch(torch.arange(N, dtype=torch.int32, device=cache.device))
+        if not isinstance(cache, GDNCacheBatch):
+            raise TypeError(f"cache: expected a GDNCache or GDNCacheBatch (GDNCache.batch(slots)), got "
+                            f"{type(cache).__name__}")
+        if cache.slots.shape[0] != N:
+            raise ValueError(f"cache: expected slots for the {N} sequences of the batch, got shape "
+                             f"{tuple(cache.slots.shape)}")
+        c = cache.cache
+        if (c.conv_dim, c.conv_size, c.num_v_heads, c.head_k_dim, c.head_v_dim) != (
+                self.conv_dim, self.conv_size, self.local_num_v_heads, self.head_k_dim, self.head_v_dim):
+            raise ValueError(f"cache: pools of shape conv_dim={c.conv_dim}, W={c.conv_size}, HV={c.num_v_heads}, "
+                             f"K={c.head_k_dim}, V={c.head_v_dim} do not fit this layer (conv_dim={self.conv_dim}, "
+                             f"W={self.conv_size}, HV={self.local_num_v_heads}, K={self.head_k_dim}, "
+                             f"V={self.head_v_dim})")
+        return cache
+
+    # ------------------------------------------------------------------------------------------------------------------
+    # forward
+    # ------------------------------------------------------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, cache=None, cu_seqlens: Optional[torch.Tensor] = None, *,
+                mode: Optional[str] = None) -> torch.Tensor:
+        """``hidden_states [B, T, hidden]`` (varlen: ``B == 1`` and ``cu_seqlens [N + 1]``) -> ``[B, T, hidden]``.
+
+        ``cache``: None (training / stateless: chunked op, differentiable), a :class:`GDNCache` (slots ``0..N-1``)
+        or ``cache.batch(slots)``. A cached step is inference: it runs without autograd (the output does not require
+        grad) and updates the cache's state pools in place. With a cache, ``mode`` picks the path: ``"prefill"``
+        (chunked op), ``"decode"`` (recurrent op; any lengths, meant for a few tokens per sequence) or None: decode
+        when every sequence has one token (``T == 1``, or ``T == N`` with ``cu_seqlens``), else prefill. 2-D slots
+        always take the speculative path (recurrent op, per-token states).
+        """
+        x = hidden_states
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states: expected [B, T, {self.hidden_size}], got "
+                             f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+        B, T = x.shape[:2]
+        if cu_seqlens is not None and B != 1:
+            raise ValueError(f"cu_seqlens: varlen batches need B == 1 (sequences packed along T), got B = {B}")
+        if mode not in (None, "prefill", "decode"):
+            raise ValueError(f"mode: expected None, 'prefill' or 'decode', got {mode!r}")
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        batch = self._resolve_cache(cache, N)
+        if batch is not None and torch.is_grad_enabled():
+            with torch.no_grad():  # cached steps are inference: the state pools are updated in place
+                return self._forward(x, batch, cu_seqlens, mode)
+        return self._forward(x, batch, cu_seqlens, mode)
+
+    def _forward(self, x, batch: Optional[GDNCacheBatch], cu_seqlens, mode):
+        B, T = x.shape[:2]
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        if self.tp_group is not None:
+            from ..distributed.tensor_parallel import copy_to_tensor_parallel_region
+
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
+
+        mixed, z, b, a = self._project(x)
+        w, bias = self.conv_weight, self.conv1d.bias
+        if batch is None:
+            y = ops.causal_conv1d(mixed, w, bias, "silu", cu_seqlens=cu_seqlens)
+            o = self._chunk(y, a, b, cu_seqlens, None, None)
+        elif batch.speculative:
+            o = self._verify(mixed, a, b, batch, cu_seqlens)
+        else:
+            c, slots = batch.cache, batch.slots
+            conv_pool, ssm_pool = c.conv_pool(self.layer_idx), c.ssm_pool(self.layer_idx)
+            decode = mode == "decode" or (mode is None and (T == 1 if cu_seqlens is None else T == N))
+            if decode and cu_seqlens is None:
+                y = ops.causal_conv1d_update(mixed, conv_pool, w, bias, "silu", conv_state_indices=slots)
+            else:
+                y = ops.causal_conv1d(mixed, w, bias, "silu", cu_seqlens=cu_seqlens, conv_state=conv_pool,
+                                      conv_state_indices=slots)
+            if decode:
+                q, k, v = self._split_qkv(y)
+                o, _ = ops.fused_recurrent_gated_delta_rule(
+                    q, k, v, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True, initial_state=ssm_pool,
+                    state_layout=c.state_layout, ssm_state_indices=slots, inplace_final_state=True,
+                    A_log=self.A_log, a=a, dt_bias=self.dt_bias, b=b)
+            else:
+                o = self._chunk(y, a, b, cu_seqlens, ssm_pool, batch)
+        o = self.norm(o, z)
+        out = self.out_proj(o.reshape(B, T, self.value_dim))
+        if self.tp_group is not None:
+            from ..distributed.tensor_parallel import reduce_from_tensor_parallel_region
+
+            out = reduce_from_tensor_parallel_region(out, self.tp_group)
+        return out
+
+    def _chunk(self, y, a, b, cu_seqlens, ssm_pool, batch):
+        q, k, v = self._split_qkv(y)
+        g = ops.gdn_gate(a, self.A_log, self.dt_bias)
+        beta = b.sigmoid()
+        if batch is None:
+            o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+                                              chunk_size=self.chunk_size)
+        else:
+            o, _ = ops.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=ssm_pool, output_final_state=True,
+                                              cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True,
+                                              state_layout=batch.cache.state_layout, ssm_state_indices=batch.slots,
+                                              chunk_size=self.chunk_size)
+        return o
+
+    def _verify(self, mixed, a, b, batch: GDNCacheBatch, cu_seqlens):
+        """Speculative step: T tokens per sequence, the state after token t written to slot column t.
+
+        The recurrent op does this for the SSM state (2-D ``ssm_state_indices``, ``num_accepted_tokens``,
+        ``inplace_final_state``). The conv state is kept the same way: the window of the last ``W - 1`` inputs after
+        token t goes to ``conv_pool[slots[n, t]]``, and the step starts from ``conv_pool[slots[n, acc - 1]]``, so a
+        rejected draft never has to be undone.
+        """
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens: speculative (2-D slot) steps take hidden_states [N, T, hidden] with the same "
+                             "T for every sequence, not a varlen batch")
+        c, slots, acc = batch.cache, batch.slots, batch.num_accepted_tokens
+        N, T, D = mixed.shape
+        S = slots.shape[1]
+        if T > S:
+            raise ValueError(f"cache: a speculative step of T = {T} tokens needs at least T slot columns, got "
+                             f"slots of shape {tuple(slots.shape)} (prefill new requests with the 1-D slots[:, 0])")
+        W1 = self.conv_size - 1
+        conv_pool, ssm_pool = c.conv_pool(self.layer_idx), c.ssm_pool(self.layer_idx)
+        rows = c._rows(slots)                                                    # int64, padding -> scratch row
+        src = rows.gather(1, (acc.to(torch.int64) - 1).clamp(0, S - 1)[:, None]).squeeze(1)
+        prev = conv_pool[src]                                                    # [N, D, W-1] (a copy)
+        with torch.no_grad():
+            xx = torch.cat([prev, mixed.detach().transpose(1, 2).to(prev.dtype)], dim=-1)   # [N, D, W-1+T]
+            win = xx.unfold(2, W1, 1)[:, :, 1:]                                  # [N, D, T, W-1]
+            conv_pool[rows[:, :T].reshape(-1)] = win.permute(0, 2, 1, 3).reshape(N * T, D, W1)
+        y = ops.causal_conv1d_update(mixed, prev, self.conv_weight, self.conv1d.bias, "silu")
+        q, k, v = self._split_qkv(y)
+        o, _ = ops.fused_recurrent_gated_delta_rule(
+            q, k, v, use_qk_l2norm_in_kernel=True, initial_state=ssm_pool, state_layout=c.state_layout,
+            ssm_state_indices=slots, num_accepted_tokens=acc, inplace_final_state=True,
+            A_log=self.A_log, a=a, dt_bias=self.dt_bias, b=b)
+        return o
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the oracle
+# ----------------------------------------------------------------------------------------------------------------------
+def gated_deltanet_ref(layer: GatedDeltaNet, hidden_states: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                       conv_state: Optional[torch.Tensor] = None, ssm_state: Optional[torch.Tensor] = None, *,
+                       dtype: torch.dtype = torch.float64, state_layout: str = "v_last"):
+    """The block in plain PyTorch (``gdn.reference``) with ``layer``'s weights, computed in ``dtype``.
+
+    ``conv_state [N, conv_dim, W-1]`` and ``ssm_state [N, HV, K, V]`` are the states before each sequence (zeros when
+    None). Returns ``(y [B, T, hidden] in dtype, final conv_state [N, conv_dim, W-1], final ssm_state [N, HV, K, V])``.
+    Token-by-token recurrence (``recurrent_gated_delta_rule_ref``): independent of the chunked algorithm.
+    """
+    x = hidden_states.to(dtype)
+    B, T = x.shape[:2]
+    cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
+    mixed, z, b, a = layer._project(x, dtype=dtype)
+    y, conv_final = ref.causal_conv1d_ref(mixed, cast(layer.conv_weight), cast(layer.conv1d.bias), "silu",
+                                          cu_seqlens=cu_seqlens, initial_conv_state=cast(conv_state))
+    q, k, v = layer._split_qkv(y)
+    g = ref.gdn_gate_ref(a, cast(layer.A_log), cast(layer.dt_bias))
+    beta = torch.sigmoid(b)
+    o, ssm_final = ref.recurrent_gated_delta_rule_ref(q, k, v, g, beta, None, cast(ssm_state), True, cu_seqlens, True,
+                                                      state_layout=state_layout)
+    o = ref.gated_rmsnorm_ref(o, z, cast(layer.norm.weight), layer.norm_eps)
+    out = F.linear(o.reshape(B, T, layer.value_dim), cast(layer.out_proj.weight))
+    return out, conv_final, ssm_final
