@@ -43,3 +43,47 @@ def test_spec_verify_compiles_fullgraph():
     compiled = torch.compile(verify, fullgraph=True, backend="aot_eager")
     out = compiled(x.q, x.k, x.v, x.g, x.beta, p2, cu, idx, acc)
     assert rel_err(out, ref) == 0.0 and torch.equal(p1, p2)
+
+
+def _compile_matches(fn, *args):
+    """fn(*args) eager vs compiled (fullgraph, aot_eager): outputs and gradients of every float leaf."""
+    leaves_e = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+                for a in args]
+    leaves_c = [a.detach().clone().requires_grad_(a.is_floating_point()) if isinstance(a, torch.Tensor) else a
+                for a in args]
+    out_e = fn(*leaves_e)
+    torch._dynamo.reset()
+    out_c = torch.compile(fn, fullgraph=True, backend="aot_eager")(*leaves_c)
+    assert rel_err(out_c, out_e) < 1e-6
+    w = torch.randn_like(out_e)
+    (out_e * w).sum().backward()
+    (out_c * w).sum().backward()
+    for a, b in zip(leaves_e, leaves_c):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            assert rel_err(b.grad, a.grad) < 1e-6
+
+
+def test_gate_norm_conv_compile_fullgraph_with_backward():
+    from gdn.ops import causal_conv1d, gated_rms_norm, gdn_gate
+
+    _compile_matches(lambda a, A, d: gdn_gate(a, A, d) * 2, torch.randn(2, 5, 4, device=DEV),
+                     torch.randn(4, device=DEV), torch.randn(4, device=DEV))
+    _compile_matches(lambda x, z, w: gated_rms_norm(x, z, w), torch.randn(2, 3, 4, 16, device=DEV),
+                     torch.randn(2, 3, 4, 16, device=DEV), torch.randn(16, device=DEV))
+    _compile_matches(lambda x, w, b: causal_conv1d(x, w, b), torch.randn(2, 9, 24, device=DEV),
+                     torch.randn(24, 4, device=DEV), torch.randn(24, device=DEV))
+
+
+def test_conv_update_with_pool_compiles_fullgraph():
+    from gdn.ops import causal_conv1d_update
+
+    pool = torch.randn(5, 24, 3, device=DEV)
+    x = torch.randn(3, 24, device=DEV)
+    w = torch.randn(24, 4, device=DEV)
+    idx = torch.tensor([4, -1, 0], device=DEV)
+    p1, p2 = pool.clone(), pool.clone()
+    ref = causal_conv1d_update(x, p1, w, conv_state_indices=idx)
+    torch._dynamo.reset()
+    out = torch.compile(lambda x, p: causal_conv1d_update(x, p, w, conv_state_indices=idx) + 1, fullgraph=True,
+                        backend="aot_eager")(x, p2)
+    assert rel_err(out - 1, ref) < 1e-6 and torch.equal(p1, p2)

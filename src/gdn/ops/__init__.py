@@ -1,4 +1,5 @@
 """Public ops of gdn (see API.md): validation, backend dispatch and autograd live here; kernels in gdn.kernels."""
+from . import _library  # noqa: F401  (registers the torch.library ops before any torch.compile trace)
 from .chunk import chunk_gated_delta_rule
 from .conv import causal_conv1d, causal_conv1d_update
 from .decode import gated_delta_rule_decode

@@ -159,6 +159,12 @@ def _triton_conv(x, weight, bias, act: bool, cu, conv_state, idx, N):
     if idx is not None and not idx.is_contiguous():
         idx = idx.contiguous()
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if torch.compiler.is_compiling() and not (needs_grad and conv_state is not None):
+        from ._library import conv_fwd as conv_op, conv_fwd_pool
+
+        if conv_state is None:
+            return conv_op(x, weight, bias, act, cu)
+        return conv_fwd_pool(x, weight, bias, act, cu, conv_state, idx)
     if needs_grad:
         return _CausalConv1dFn.apply(x, weight, bias, act, cu, conv_state, idx, N)
     from ..kernels.conv import conv_fwd

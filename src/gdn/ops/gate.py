@@ -40,4 +40,8 @@ def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> tor
     V_.shape("dt_bias", dt_bias, (HV,), "[HV] (HV = a.shape[-1])")
     if a.dtype == torch.float64 or not use_triton(a.device):
         return ref.gdn_gate_ref(a, A_log, dt_bias).to(torch.float64 if a.dtype == torch.float64 else torch.float32)
+    if torch.compiler.is_compiling():
+        from ._library import gate_fwd
+
+        return gate_fwd(a.contiguous(), A_log, dt_bias)
     return _GateFn.apply(a, A_log, dt_bias)
