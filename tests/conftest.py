@@ -26,3 +26,18 @@ def _fresh_seed():
 @pytest.fixture
 def device():
     return DEVICE
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty fills new float tensors with NaN, so an element a kernel forgets to write shows up."""
+    orig = torch.empty
+
+    def empty(*args, **kwargs):
+        t = orig(*args, **kwargs)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    yield

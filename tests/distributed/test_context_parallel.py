@@ -6,34 +6,21 @@ compares. Several cases run in one spawn to pay the process start-up once.
 """
 from __future__ import annotations
 
-import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from _gloo import free_port, init_gloo
 from gdn.testing import make_inputs, rel_err
 
 CUDA = torch.cuda.is_available()
 TOL = 5e-3 if CUDA else 2e-4
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _init(rank: int, world: int, port: int) -> None:
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=180))
+_free_port, _init = free_port, init_gloo
 
 
 def _slices(lens):

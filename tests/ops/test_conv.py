@@ -15,18 +15,6 @@ from gdn.testing import rel_err
 TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
-@pytest.fixture
-def nan_empty(monkeypatch):
-    orig = torch.empty
-
-    def empty(*args, **kwargs):
-        t = orig(*args, **kwargs)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-    yield
 
 
 def _act(a):
