@@ -40,10 +40,10 @@ def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         raise ValueError(f"q/v: head dims must be >= 1, got K = {K}, V = {Vd}")
     for name, x in (("q", q), ("k", k), ("v", v)):
         V_.last_dim_contiguous(name, x)
-    V_.tensor("g", g, ndim=3, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[B, T, HV]")
+    V_.tensor("g", g, ndim=3, dtypes=V_.FLOAT_DTYPES + (torch.float64,), device=dev, shape_doc="[B, T, HV]")
     V_.shape("g", g, (B, T, HV), "[B, T, HV]")
     if beta is not None:
-        V_.tensor("beta", beta, ndim=3, dtypes=V_.FLOAT_DTYPES, device=dev, shape_doc="[B, T, HV]")
+        V_.tensor("beta", beta, ndim=3, dtypes=V_.FLOAT_DTYPES + (torch.float64,), device=dev, shape_doc="[B, T, HV]")
         V_.shape("beta", beta, (B, T, HV), "[B, T, HV]")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
@@ -84,8 +84,9 @@ def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     from gdn.reference import chunk_gated_delta_rule_ref, sequence_spans
 
     if idx is None:
-        return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2,
-                                          state_layout=layout, chunk_size=chunk_size)
+        o, ht = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2,
+                                           state_layout=layout, chunk_size=chunk_size)
+        return o, (None if ht is None else ht.to(torch.float32))
     pool = initial_state
     P = pool.shape[0]
     il = idx.to(torch.int64)

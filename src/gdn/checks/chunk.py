@@ -1,0 +1,131 @@
+"""gdn check: chunk_gated_delta_rule (varlen, GVA, both layouts, pools, strided q/k/v, segmented long sequences)
+against the float64 chunked reference."""
+import torch
+
+from ..ops import chunk_gated_delta_rule
+from ..reference import chunk_gated_delta_rule_ref, sequence_spans
+from ..testing import make_inputs, rel_err, to64
+from . import Result, register
+
+TOL = {torch.float32: 2e-3, torch.bfloat16: 1.5e-2}
+
+
+def _shapes(device):
+    if device.type == "cuda":
+        return dict(H=16, HV=32, K=128, V=128, lens=[1, 63, 64, 65, 300, 0, 1000], long=8192, long_heads=(2, 4))
+    return dict(H=1, HV=2, K=32, V=16, lens=[1, 63, 0, 66], long=4 * 64 + 5, long_heads=(1, 1))
+
+
+def _cu(lens, device):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=device, dtype=torch.int32)
+
+
+def _ref(x, h0=None, cu=None, layout="v_last", l2=True, scale=None):
+    return chunk_gated_delta_rule_ref(*to64(x.q, x.k, x.v, x.g, x.beta), scale,
+                                      None if h0 is None else h0.detach().double().cpu(), True,
+                                      None if cu is None else cu.cpu(), l2, state_layout=layout)
+
+
+@register
+def chunk_varlen(device):
+    s = _shapes(device)
+    out = []
+    cu = _cu(s["lens"], device)
+    N, T = len(s["lens"]), int(cu[-1])
+    for layout in ("v_last", "k_last"):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = make_inputs(1, T, s["H"], s["HV"], s["K"], s["V"], dtype=dtype, device=device)
+            shape = (N, s["HV"], s["K"], s["V"]) if layout == "v_last" else (N, s["HV"], s["V"], s["K"])
+            h0 = torch.randn(shape, device=device) * 0.5
+            o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                           cu_seqlens=cu, use_qk_l2norm_in_kernel=True, state_layout=layout)
+            ro, rht = _ref(x, h0, cu, layout)
+            name = f"varlen GVA {layout} {str(dtype)[6:]}"
+            out += [Result("chunk", name + " o", rel_err(o, ro), TOL[dtype]),
+                    Result("chunk", name + " state", rel_err(ht, rht), TOL[dtype])]
+    return out
+
+
+@register
+def chunk_batched_no_l2(device):
+    s = _shapes(device)
+    B, T = 2, (s["lens"][-1] if device.type == "cuda" else 70)
+    x = make_inputs(B, T, s["H"], s["HV"], s["K"], s["V"], device=device, normalize_qk=True)
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, output_final_state=True)
+    ro, rht = _ref(x, l2=False)
+    return [Result("chunk", "batched fp32 no-l2 o", rel_err(o, ro), TOL[torch.float32]),
+            Result("chunk", "batched fp32 no-l2 state", rel_err(ht, rht), TOL[torch.float32])]
+
+
+@register
+def chunk_pool(device):
+    s = _shapes(device)
+    lens = s["lens"]
+    N = len(lens)
+    cu = _cu(lens, device)
+    T = int(cu[-1])
+    P = N + 3
+    out = []
+    for pool_dtype in (torch.float32, torch.bfloat16):
+        x = make_inputs(1, T, s["H"], s["HV"], s["K"], s["V"], dtype=torch.bfloat16, device=device)
+        pool = (torch.randn(P, s["HV"], s["V"], s["K"], device=device) * 0.5).to(pool_dtype)
+        before = pool.clone()
+        idx = torch.randperm(P, device=device)[:N].to(torch.int32)
+        idx[1] = -1
+        o, fin = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
+                                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True, state_layout="k_last",
+                                        ssm_state_indices=idx)
+        live = [n for n in range(N) if int(idx[n]) >= 0]
+        h0 = torch.zeros((N,) + tuple(pool.shape[1:]), device=device)
+        h0[live] = before[idx[live].long()].float()
+        ro, rht = _ref(x, h0, cu, "k_last")
+        spans = sequence_spans(1, T, cu.cpu())
+        pad_zero = all(bool((o[0, a:b] == 0).all()) for n, (_, a, b) in enumerate(spans) if int(idx[n]) < 0)
+        for n, (_, a, b) in enumerate(spans):
+            if int(idx[n]) < 0:
+                ro[0, a:b] = 0
+        touched = {int(r) for r in idx.tolist() if r >= 0}
+        untouched = [r for r in range(P) if r not in touched]
+        same = torch.equal(pool[untouched], before[untouched]) and fin is pool
+        name = f"pool k_last {str(pool_dtype)[6:]}"
+        out += [Result("chunk", name + " o", rel_err(o, ro), TOL[torch.bfloat16]),
+                Result("chunk", name + " state", rel_err(pool[idx[live].long()].float(), rht[live]),
+                       TOL[torch.bfloat16]),
+                Result("chunk", name + " padding/untouched", 0.0 if pad_zero and same else float("inf"), 0.0)]
+    return out
+
+
+@register
+def chunk_strided_qkv(device):
+    s = _shapes(device)
+    B, T, H, HV, K, V = 2, 130, s["H"], s["HV"], s["K"], s["V"]
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, device=device)
+    packed = torch.cat([x.q.flatten(2), x.k.flatten(2), x.v.flatten(2)], dim=-1)
+    q = packed[..., :H * K].unflatten(-1, (H, K))
+    k = packed[..., H * K:2 * H * K].unflatten(-1, (H, K))
+    v = packed[..., 2 * H * K:].unflatten(-1, (HV, V))
+    o, ht = chunk_gated_delta_rule(q, k, v, x.g, x.beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ro, rht = _ref(x)
+    return [Result("chunk", "packed q/k/v views o", rel_err(o, ro), TOL[torch.bfloat16]),
+            Result("chunk", "packed q/k/v views state", rel_err(ht, rht), TOL[torch.bfloat16])]
+
+
+@register
+def chunk_long_segmented(device):
+    """One long sequence: the segmented state pass (forced, and the heuristic on GPUs) and the plain pass."""
+    from ..kernels.chunk_fwd import config_override
+
+    s = _shapes(device)
+    H, HV = s["long_heads"]
+    T = s["long"]
+    x = make_inputs(1, T, H, HV, s["K"], s["V"], dtype=torch.bfloat16, device=device)
+    h0 = torch.randn(1, HV, s["K"], s["V"], device=device) * 0.5
+    ro, rht = _ref(x, h0)
+    out = []
+    for name, seg in (("heuristic", 0), ("forced segments", 8 if device.type == "cuda" else 2), ("unsegmented", -1)):
+        with config_override(segment_chunks=seg):
+            o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                           use_qk_l2norm_in_kernel=True)
+        out += [Result("chunk", f"long T={T} {name} o", rel_err(o, ro), TOL[torch.bfloat16]),
+                Result("chunk", f"long T={T} {name} state", rel_err(ht, rht), TOL[torch.bfloat16])]
+    return out

@@ -1,0 +1,1500 @@
+"""Forward kernels of the chunked (WY / UT transform) gated delta rule.
+
+Shapes (``C`` = chunk size = 64, ``NT`` = total number of chunks over all sequences, ``S`` = number of segments)::
+
+    q, k        [B, T, H, K]     strided views allowed (last dim contiguous)
+    v           [B, T, HV, V]    strided views allowed (last dim contiguous)
+    g, beta     [B, T, HV]       any strides, any float dtype; g is log-space (<= 0)
+    g_cum       [B, T, HV] fp32  chunk-local cumulative sum of g (restarts at every chunk / sequence start)
+    Ainv        [B, T, HV, C] fp32  row t holds row (t mod C) of (I + A)^-1 of its chunk (columns = chunk positions)
+    w           [B, T, HV, K]    Ainv @ (beta * exp(g_cum) * k_hat)       (k_hat = k, or L2-normalised k)
+    u           [B, T, HV, V]    Ainv @ (beta * v)
+    h           [NT, HV, K, V]   state at the START of every chunk (v_last order)
+    v_new       [B, T, HV, V]    u - w @ h(chunk)
+    o           [B, T, HV, V]    scale * ((exp(g_cum) q_hat) @ h + ((q_hat k_hat^T) * Gamma, causal) @ v_new)
+
+with ``A = strictLower(diag(beta) (Gamma * K_hat K_hat^T))``, ``Gamma_ij = exp(g_cum_i - g_cum_j)`` (i >= j). Every
+exponent is the exp of a non-positive difference of cumulative gates. State arithmetic is fp32.
+
+Kernels (all run unchanged in Triton's interpreter):
+
+* ``_chunk_prepare_kernel``  one program per (chunk, value head): cumsum of g, K K^T on 16-row tiles, the 16x16
+  diagonal-block inverses by forward substitution, the block merge to the full 64x64 inverse; stores Ainv and/or
+  W and U (and recomputes W/U from a stored Ainv for the backward).
+* ``_chunk_state_kernel``    one program per (V tile, value head, segment): the sequential pass over chunks, with
+  v_new either from Ainv / v / beta (``CONFIG["state_mode"] = "ainv"``, default) or from W / U (``"wu"``); also
+  computes a segment's K x K transition matrix (identity start, v = 0) and, with ``fuse_output``, the output.
+* ``_chunk_merge_kernel``    sequential merge of segment states ``S_{s+1} = P_s S_s + H_s`` (long sequences split over
+  SMs).
+* ``_chunk_output_kernel``   one program per (V tile, chunk, value head): the output.
+
+Functions for reuse (backward recompute): :func:`prepare_chunk_indices`, :func:`chunk_local_cumsum`,
+:func:`chunk_fwd_prepare`, :func:`chunk_scaled_dot_kkt_solve`, :func:`recompute_w_u`, :func:`chunk_state_pass`,
+:func:`chunk_output`, :func:`chunk_state_output`, :func:`chunk_gated_delta_rule_fwd`. Design notes, floors and the
+GPU sweep: ``bench/chunk_notes.md`` and ``python -m gdn.kernels.chunk_fwd --help``.
+
+Configuration lives in :data:`CONFIG` (change it with :func:`set_config`, :func:`config_override` or the environment
+variable ``GDN_CHUNK_CONFIG`` holding JSON, e.g. ``'{"state_BV": 32, "segment_chunks": 8}'``);
+:func:`bench_configs` lists the variants worth sweeping on a GPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from typing import List, NamedTuple, Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK_SIZE = 64
+L2_EPS = 1e-6
+
+# ----------------------------------------------------------------------------------------------------------------------
+# configuration
+# ----------------------------------------------------------------------------------------------------------------------
+_DEFAULT_CONFIG = {
+    # prepare kernel (cumsum + KK^T + solve + W/U)
+    "prepare_BK": 64, "prepare_BV": 64, "prepare_warps": 4, "prepare_stages": 2, "prepare_maxnreg": 128,
+    # precision of the fp32 16x16 dots of the triangular-solve merge ("ieee" exact, "tf32x3" ~fp32, "tf32")
+    "solve_precision": "ieee",
+    # precision of dots whose operands are fp32 (fp32 inputs / fp32 intermediates)
+    "fp32_dot_precision": "tf32x3",
+    # sequential state pass: BV tile of the state (0 = automatic: 64 for K <= 128, else 32)
+    "state_BV": 0, "state_warps": 4, "state_stages": 2, "state_maxnreg": 0,
+    # output kernel
+    "output_BK": 64, "output_BV": 64, "output_warps": 4, "output_stages": 2, "output_maxnreg": 128,
+    # merge kernel of the segmented state pass
+    "merge_BK": 64, "merge_BV": 64, "merge_warps": 4,
+    # storage dtype of the per-chunk states h in the forward: "input" (bf16 for bf16 inputs) or "fp32"
+    "h_dtype": "input",
+    # forward state pass: v_new from Ainv/v/beta ("ainv", no w/u round trip) or from stored w/u ("wu")
+    "state_mode": "ainv",
+    # h in the v_new product as two half-precision parts (accuracy; costs one more tensor-core product per chunk)
+    "state_split_h": False,
+    # storage dtype of Ainv in the forward ("input" = tensor-core dtype, or "fp32")
+    "ainv_dtype": "input",
+    # compute o inside the state pass (no h / v_new in memory; no output kernel)
+    "fuse_output": False,
+    # segmented state pass: 0 = heuristic, -1 = never, n > 0 = always, with n chunks per segment
+    "segment_chunks": 0,
+    # heuristic (see choose_segment_len): resident state-pass CTAs per SM, cost of one merge step in chunk steps,
+    # segment only when the modelled cost is below `segment_gain` x the plain pass; segments are powers of two
+    # >= `segment_min_len` chunks; never for sequences of fewer than `segment_min_chunks` chunks
+    "state_ctas_per_sm": 2, "segment_merge_cost": 0.5, "segment_gain": 0.8, "segment_min_chunks": 16,
+    "segment_min_len": 8,
+    # testing: fill every buffer these launch functions allocate with NaN first (catches unwritten elements)
+    "debug_poison": False,
+}
+CONFIG = dict(_DEFAULT_CONFIG)
+
+
+def _apply_env_config():
+    raw = os.environ.get("GDN_CHUNK_CONFIG", "").strip()
+    if raw:
+        set_config(**json.loads(raw))
+    seg = os.environ.get("GDN_CHUNK_SEGMENT", "").strip()
+    if seg:
+        CONFIG["segment_chunks"] = int(seg)
+
+
+def set_config(**kw):
+    """Change entries of :data:`CONFIG` (unknown keys raise KeyError)."""
+    for key, val in kw.items():
+        if key not in _DEFAULT_CONFIG:
+            raise KeyError(f"unknown chunk config key {key!r}; known: {sorted(_DEFAULT_CONFIG)}")
+        CONFIG[key] = val
+
+
+@contextlib.contextmanager
+def config_override(**kw):
+    """``with config_override(state_BV=32): ...`` runs with changed config and restores it afterwards."""
+    old = dict(CONFIG)
+    try:
+        set_config(**kw)
+        yield CONFIG
+    finally:
+        CONFIG.clear()
+        CONFIG.update(old)
+
+
+def bench_configs() -> List[dict]:
+    """Variants for a GPU sweep (each a dict for :func:`config_override`); the first is the default."""
+    out = [{}]
+    for bv in (32, 64, 128):
+        out.append({"state_BV": bv})
+    for w in (4, 8):
+        for st in (1, 2, 3):
+            out.append({"state_warps": w, "state_stages": st})
+            out.append({"output_warps": w, "output_stages": st})
+            out.append({"prepare_warps": w, "prepare_stages": st})
+    out += [{"output_BV": 128}, {"output_BV": 32}, {"output_BK": 128}, {"prepare_BK": 128}, {"prepare_BV": 128},
+            {"h_dtype": "fp32"}, {"solve_precision": "tf32x3"},
+            {"segment_chunks": -1}, {"segment_chunks": 8}, {"segment_chunks": 16}, {"segment_chunks": 32},
+            {"segment_chunks": 64}, {"state_ctas_per_sm": 1}, {"segment_gain": 1.0},
+            {"state_mode": "wu"}, {"state_split_h": True}, {"ainv_dtype": "fp32"},
+            {"fuse_output": True}, {"fuse_output": True, "state_BV": 128}, {"fuse_output": True, "state_warps": 8},
+            {"prepare_maxnreg": 0}, {"prepare_maxnreg": 168}, {"output_maxnreg": 0}, {"output_maxnreg": 168},
+            {"state_maxnreg": 168}]
+    return out
+
+
+_apply_env_config()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# indices
+# ----------------------------------------------------------------------------------------------------------------------
+class ChunkIndex(NamedTuple):
+    """Chunk bookkeeping shared by all kernels.
+
+    N: number of sequences; NT: total number of chunks; nchunks: chunks per sequence (host list);
+    chunk_indices: int32 [NT, 2] = (sequence n, chunk c within the sequence) on the device;
+    chunk_offsets: int32 [N + 1] global index of the first chunk of every sequence (host list ``offsets`` too);
+    is_varlen: whether ``cu_seqlens`` was given (then B == 1).
+    """
+    N: int
+    NT: int
+    chunk_size: int
+    nchunks: List[int]
+    offsets: List[int]
+    chunk_indices: torch.Tensor
+    chunk_offsets: torch.Tensor
+    is_varlen: bool
+
+
+_TABLE_CACHE: dict = {}
+_TABLE_CACHE_MAX = 64
+
+
+def _cached(key, build):
+    """Small cache of device-side index tables (saves the host-to-device copies when shapes repeat, e.g. per layer)."""
+    hit = _TABLE_CACHE.get(key)
+    if hit is None:
+        if len(_TABLE_CACHE) >= _TABLE_CACHE_MAX:
+            _TABLE_CACHE.pop(next(iter(_TABLE_CACHE)))
+        hit = _TABLE_CACHE[key] = build()
+    return hit
+
+
+def prepare_chunk_indices(cu_seqlens: Optional[torch.Tensor], T: int, chunk_size: int = CHUNK_SIZE, B: int = 1,
+                          device=None) -> ChunkIndex:
+    """Chunk tables for ``cu_seqlens`` (varlen, B == 1) or B sequences of length T. Reads cu_seqlens on the host."""
+    if cu_seqlens is not None:
+        device = cu_seqlens.device
+        cu = tuple(int(x) for x in cu_seqlens.detach().cpu().tolist())
+        key = ("varlen", cu, chunk_size, str(device))
+    else:
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        cu = None
+        key = ("batch", B, T, chunk_size, str(device))
+    return _cached(key, lambda: _build_chunk_indices(cu, T, chunk_size, B, device))
+
+
+def _build_chunk_indices(cu, T, chunk_size, B, device) -> ChunkIndex:
+    if cu is not None:
+        lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+        is_varlen = True
+    else:
+        lens = [T] * B
+        is_varlen = False
+    nchunks = [-(-L // chunk_size) for L in lens]
+    offsets = [0]
+    for nc in nchunks:
+        offsets.append(offsets[-1] + nc)
+    NT = offsets[-1]
+    seq = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(nchunks, dtype=torch.int64))
+    off = torch.tensor(offsets[:-1], dtype=torch.int32)
+    within = torch.arange(NT, dtype=torch.int32) - off[seq.long()] if NT else torch.zeros(0, dtype=torch.int32)
+    ci = torch.stack([seq, within], 1).contiguous() if NT else torch.zeros(0, 2, dtype=torch.int32)
+    return ChunkIndex(len(lens), NT, chunk_size, nchunks, offsets, ci.to(device),
+                      torch.tensor(offsets, dtype=torch.int32).to(device), is_varlen)
+
+
+class SegmentPlan(NamedTuple):
+    """Segments of the state pass: int32 [S, 3] rows (sequence n, first chunk, end chunk) on the device, plus
+    ``seg_offsets`` int32 [N + 1] (first segment of every sequence). Unsegmented: one segment per sequence."""
+    S: int
+    segments: torch.Tensor
+    seg_offsets: torch.Tensor
+    segmented: bool
+    seg_len: int
+
+
+def plan_segments(ci: ChunkIndex, seg_len: Optional[int], device) -> SegmentPlan:
+    return _cached(("segments", tuple(ci.nchunks), seg_len, str(device)),
+                   lambda: _build_segments(ci, seg_len, device))
+
+
+def _build_segments(ci: ChunkIndex, seg_len: Optional[int], device) -> SegmentPlan:
+    rows, offs = [], [0]
+    for n, nc in enumerate(ci.nchunks):
+        if seg_len is None or nc <= seg_len:
+            rows.append((n, 0, nc))
+        else:
+            for c0 in range(0, nc, seg_len):
+                rows.append((n, c0, min(nc, c0 + seg_len)))
+        offs.append(len(rows))
+    segs = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
+    return SegmentPlan(len(rows), segs.to(device), torch.tensor(offs, dtype=torch.int32).to(device),
+                       seg_len is not None, seg_len or 0)
+
+
+_SM_COUNT = {}
+
+
+def _num_sms(device) -> int:
+    if device.type != "cuda":
+        return 1
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def choose_segment_len(ci: ChunkIndex, HV: int, V: int, BV: int, device, force: Optional[int] = None,
+                       K: Optional[int] = None) -> Optional[int]:
+    """Chunks per segment for the segmented state pass, or None for the plain sequential pass.
+
+    Cost model (in "chunk steps" of one state-pass program): the plain pass takes ``waves(N*HV*nV) * max_chunks``;
+    segments of L chunks take ``waves(S*HV*(nV+nK)) * L`` (local states + transition matrices, one launch) +
+    ``waves(S*HV*nV) * L`` (the pass from the true starts) + the merge, with ``waves(p) = ceil(p / slots)`` and
+    ``slots = SMs * CONFIG["state_ctas_per_sm"]``. Segmenting triples the work, so it only pays when the plain
+    pass leaves most SMs idle (few sequences x heads, many chunks).
+    """
+    seg = CONFIG["segment_chunks"] if force is None else force
+    if seg is None or seg < 0:
+        return None
+    if seg > 0:
+        return int(seg)
+    if device.type != "cuda" or ci.NT == 0:
+        return None
+    maxc = max(ci.nchunks)
+    if maxc < int(CONFIG["segment_min_chunks"]):
+        return None
+    slots = max(1, int(_num_sms(device) * float(CONFIG["state_ctas_per_sm"])))
+    nv = triton.cdiv(V, BV)
+    nk = triton.cdiv(K if K is not None else V, BV)
+
+    def waves(p):
+        return -(-p // slots)
+
+    base = waves(ci.N * HV * nv) * maxc
+    best, best_cost = None, None
+    L = max(1, int(CONFIG["segment_min_len"]))
+    while L * 2 <= maxc:
+        S = sum(-(-nc // L) if nc else 1 for nc in ci.nchunks)
+        per_seq = -(-maxc // L)
+        cost = (waves(S * HV * (nv + nk)) + waves(S * HV * nv)) * L + float(CONFIG["segment_merge_cost"]) * per_seq
+        if best_cost is None or cost < best_cost:
+            best, best_cost = L, cost
+        L *= 2
+    if best is None or best_cost > float(CONFIG["segment_gain"]) * base:
+        return None
+    return best
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# small helpers
+# ----------------------------------------------------------------------------------------------------------------------
+def _dot_dtype(*tensors) -> torch.dtype:
+    """dtype of the tensor-core operands: the common half dtype of the inputs, else fp32."""
+    dts = {t.dtype for t in tensors if t is not None}
+    if len(dts) == 1 and next(iter(dts)) in (torch.bfloat16, torch.float16):
+        return next(iter(dts))
+    return torch.float32
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _empty(*shape, device, dtype) -> torch.Tensor:
+    x = torch.empty(*shape, device=device, dtype=dtype)
+    if CONFIG["debug_poison"] and x.is_floating_point():
+        x.fill_(float("nan"))
+    return x
+
+
+def _launch(kernel, grid, *args, maxnreg=0, **kwargs):
+    """kernel[grid](*args, **kwargs); when the config asks for more shared memory than the GPU has (e.g. fp32
+    operands with K = 256), retry with fewer pipeline stages (nothing has run when that error is raised).
+    ``maxnreg`` > 0 caps registers per thread (more resident CTAs for the throughput kernels)."""
+    if maxnreg and int(maxnreg) > 0:
+        kwargs["maxnreg"] = int(maxnreg)
+    try:
+        return kernel[grid](*args, **kwargs)
+    except triton.runtime.errors.OutOfResources:
+        if kwargs.get("num_stages", 2) <= 1:
+            raise
+        kwargs["num_stages"] = 1
+        return kernel[grid](*args, **kwargs)
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(int(x)))
+
+
+def _state_bv(K: int, V: int) -> int:
+    bv = int(CONFIG["state_BV"]) or (64 if K <= 128 else 32)
+    return max(16, min(bv, _pow2(V)))
+
+
+# Triton's interpreter multiplies the raw bits of bfloat16 dot operands (it stores bf16 as uint16); there the half
+# precision operands (already rounded) are widened to fp32 first, which gives the tensor-core result exactly.
+_INTERP = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr):
+    """a @ b with fp32 accumulation; ``PREC`` is the input precision for fp32 operands."""
+    if a.dtype == tl.float32:
+        r = tl.dot(a, b, input_precision=PREC)
+    else:
+        if _INTERP:
+            r = tl.dot(a.to(tl.float32), b.to(tl.float32))
+        else:
+            r = tl.dot(a, b)
+    return r
+
+
+@triton.jit
+def _rn(x, DST: tl.constexpr):
+    """x converted to DST, rounding to nearest even when narrowing (what the GPU does; Triton's interpreter truncates
+    fp32 -> bf16, so there the rounding is done on the bits first)."""
+    if x.dtype == DST:
+        r = x
+    elif DST == tl.float32:
+        r = x.to(tl.float32)
+    else:
+        xf = x.to(tl.float32)
+        if _INTERP:
+            if DST == tl.bfloat16:
+                b = xf.to(tl.uint32, bitcast=True)
+                b = (b + (((b >> 16) & 1) + 0x7FFF)) & 0xFFFF0000
+                xf = b.to(tl.float32, bitcast=True)
+        r = xf.to(DST)
+    return r
+
+
+@triton.jit
+def _seq_span(n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
+    """(batch row, first token, end token) of sequence n, as int64."""
+    if IS_VARLEN:
+        i_b = n.to(tl.int64) * 0
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        eos = tl.load(cu_seqlens + n + 1).to(tl.int64)
+    else:
+        i_b = n.to(tl.int64)
+        bos = n.to(tl.int64) * 0
+        eos = bos + T
+    return i_b, bos, eos
+
+
+@triton.jit
+def _tril_inv16x4(a0, a1, a2, a3):
+    """(I + A)^-1 of four strictly lower triangular fp32 [16, 16] blocks at once (forward substitution on a
+    [4, 16, 16] stack: 15 sequential row steps)."""
+    A = tl.reshape(tl.permute(tl.join(tl.join(a0, a1), tl.join(a2, a3)), (3, 2, 0, 1)), (4, 16, 16))
+    r = tl.arange(0, 16)
+    ri = r[None, :, None]
+    Y = tl.zeros([4, 16, 16], tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
+    for i in range(1, 16):
+        a_i = tl.sum(tl.where(ri == i, A, 0.0), axis=1)                 # [4, 16]: A[b, i, :]
+        y_i = tl.sum(a_i[:, :, None] * Y, axis=1)                        # [4, 16]: sum_k A[b, i, k] Y[b, k, :]
+        Y = tl.where(ri == i, tl.where(r == i, 1.0, 0.0)[None, None, :] - y_i[:, None, :], Y)
+    y01, y23 = tl.split(tl.permute(tl.reshape(Y, (2, 2, 16, 16)), (2, 3, 1, 0)))
+    y0, y1 = tl.split(y01)
+    y2, y3 = tl.split(y23)
+    return y0, y1, y2, y3
+
+
+@triton.jit
+def _kkt_block(acc, r_i, r_j, b_i, g_i, g_j, DIAG: tl.constexpr):
+    """beta_i * exp(g_i - g_j) * (k_i . k_j) (rows of block i, columns of block j), strictly lower on the diagonal."""
+    if DIAG:
+        o = tl.arange(0, 16)
+        m = o[:, None] > o[None, :]
+        d = tl.where(m, g_i[:, None] - g_j[None, :], 0.0)
+        a = tl.where(m, acc * (r_i * b_i)[:, None] * r_j[None, :] * tl.exp(d), 0.0)
+    else:
+        a = acc * (r_i * b_i)[:, None] * r_j[None, :] * tl.exp(g_i[:, None] - g_j[None, :])
+    return a
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# kernel 1: cumsum + KK^T + solve + W/U
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _load_rows(ptr, rows, m, cols, mc, s_t):
+    return tl.load(ptr + rows[:, None] * s_t + cols[None, :], mask=m[:, None] & mc[None, :], other=0.0)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_prepare_kernel(
+    k, v, g, beta, gcum, ainv, w, u, chunk_indices, cu_seqlens, T,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, G_IS_CUM: tl.constexpr, STORE_G: tl.constexpr,
+    STORE_A: tl.constexpr, LOAD_A: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+):
+    i_t = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    n = tl.load(chunk_indices + 2 * i_t)
+    c = tl.load(chunk_indices + 2 * i_t + 1)
+    i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
+    i_h = i_hv // (HV // H)
+    t0 = bos + c.to(tl.int64) * 64
+    r = tl.arange(0, 16)
+    ta = t0 + r
+    tb = ta + 16
+    tc = ta + 32
+    td = ta + 48
+    ma = ta < eos
+    mb = tb < eos
+    mc = tc < eos
+    md = td < eos
+    tok0 = i_b * T  # row offset of this batch row in the [B, T, HV, ...] intermediates
+
+    # ---- gates: chunk-local cumulative sum (fp32) and beta
+    g_base = g + i_b * s_gb + i_hv * s_gh
+    ga = tl.load(g_base + ta * s_gt, mask=ma, other=0.0).to(tl.float32)
+    gb = tl.load(g_base + tb * s_gt, mask=mb, other=0.0).to(tl.float32)
+    gc = tl.load(g_base + tc * s_gt, mask=mc, other=0.0).to(tl.float32)
+    gd = tl.load(g_base + td * s_gt, mask=md, other=0.0).to(tl.float32)
+    if not G_IS_CUM:
+        ga = tl.cumsum(ga, axis=0)
+        gb = tl.cumsum(gb, axis=0) + tl.max(tl.where(r == 15, ga, float("-inf")), axis=0)
+        gc = tl.cumsum(gc, axis=0) + tl.max(tl.where(r == 15, gb, float("-inf")), axis=0)
+        gd = tl.cumsum(gd, axis=0) + tl.max(tl.where(r == 15, gc, float("-inf")), axis=0)
+    if STORE_G:
+        tl.store(gcum + (tok0 + ta) * HV + i_hv, ga, mask=ma)
+        tl.store(gcum + (tok0 + tb) * HV + i_hv, gb, mask=mb)
+        tl.store(gcum + (tok0 + tc) * HV + i_hv, gc, mask=mc)
+        tl.store(gcum + (tok0 + td) * HV + i_hv, gd, mask=md)
+    b_base = beta + i_b * s_bb + i_hv * s_bh
+    ba = tl.load(b_base + ta * s_bt, mask=ma, other=0.0).to(tl.float32)
+    bb = tl.load(b_base + tb * s_bt, mask=mb, other=0.0).to(tl.float32)
+    bc = tl.load(b_base + tc * s_bt, mask=mc, other=0.0).to(tl.float32)
+    bd = tl.load(b_base + td * s_bt, mask=md, other=0.0).to(tl.float32)
+
+    k_base = k + i_b * s_kb + i_h * s_kh
+    ra = tl.full([16], 1.0, tl.float32)
+    rb = ra
+    rc = ra
+    rd = ra
+
+    if LOAD_A:
+        # (I + A)^-1 given (recompute of W / U only)
+        a_base = ainv + ((tok0 + t0) * HV + i_hv) * 64
+        ar = a_base + r[:, None] * (HV * 64) + r[None, :]
+        i00 = tl.load(ar, mask=ma[:, None], other=0.0).to(tl.float32)
+        i10 = tl.load(ar + 16 * HV * 64, mask=mb[:, None], other=0.0).to(tl.float32)
+        i11 = tl.load(ar + 16 * HV * 64 + 16, mask=mb[:, None], other=0.0).to(tl.float32)
+        i20 = tl.load(ar + 32 * HV * 64, mask=mc[:, None], other=0.0).to(tl.float32)
+        i21 = tl.load(ar + 32 * HV * 64 + 16, mask=mc[:, None], other=0.0).to(tl.float32)
+        i22 = tl.load(ar + 32 * HV * 64 + 32, mask=mc[:, None], other=0.0).to(tl.float32)
+        i30 = tl.load(ar + 48 * HV * 64, mask=md[:, None], other=0.0).to(tl.float32)
+        i31 = tl.load(ar + 48 * HV * 64 + 16, mask=md[:, None], other=0.0).to(tl.float32)
+        i32 = tl.load(ar + 48 * HV * 64 + 32, mask=md[:, None], other=0.0).to(tl.float32)
+        i33 = tl.load(ar + 48 * HV * 64 + 48, mask=md[:, None], other=0.0).to(tl.float32)
+        if USE_L2:
+            sa = tl.zeros([16], tl.float32)
+            sb = tl.zeros([16], tl.float32)
+            sc = tl.zeros([16], tl.float32)
+            sd = tl.zeros([16], tl.float32)
+            for i_k in range(0, tl.cdiv(K, BK)):
+                ok = i_k * BK + tl.arange(0, BK)
+                mk = ok < K
+                xa = _load_rows(k_base, ta, ma, ok, mk, s_kt).to(tl.float32)
+                xb = _load_rows(k_base, tb, mb, ok, mk, s_kt).to(tl.float32)
+                xc = _load_rows(k_base, tc, mc, ok, mk, s_kt).to(tl.float32)
+                xd = _load_rows(k_base, td, md, ok, mk, s_kt).to(tl.float32)
+                sa += tl.sum(xa * xa, axis=1)
+                sb += tl.sum(xb * xb, axis=1)
+                sc += tl.sum(xc * xc, axis=1)
+                sd += tl.sum(xd * xd, axis=1)
+            ra = tl.rsqrt(sa + 1e-6)
+            rb = tl.rsqrt(sb + 1e-6)
+            rc = tl.rsqrt(sc + 1e-6)
+            rd = tl.rsqrt(sd + 1e-6)
+    else:
+        # ---- K K^T on 16-row tiles (10 lower blocks), and the squared norms of the rows
+        a00 = tl.zeros([16, 16], tl.float32)
+        a10 = tl.zeros([16, 16], tl.float32)
+        a11 = tl.zeros([16, 16], tl.float32)
+        a20 = tl.zeros([16, 16], tl.float32)
+        a21 = tl.zeros([16, 16], tl.float32)
+        a22 = tl.zeros([16, 16], tl.float32)
+        a30 = tl.zeros([16, 16], tl.float32)
+        a31 = tl.zeros([16, 16], tl.float32)
+        a32 = tl.zeros([16, 16], tl.float32)
+        a33 = tl.zeros([16, 16], tl.float32)
+        sa = tl.zeros([16], tl.float32)
+        sb = tl.zeros([16], tl.float32)
+        sc = tl.zeros([16], tl.float32)
+        sd = tl.zeros([16], tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            ok = i_k * BK + tl.arange(0, BK)
+            mk = ok < K
+            xa = _load_rows(k_base, ta, ma, ok, mk, s_kt)
+            xb = _load_rows(k_base, tb, mb, ok, mk, s_kt)
+            xc = _load_rows(k_base, tc, mc, ok, mk, s_kt)
+            xd = _load_rows(k_base, td, md, ok, mk, s_kt)
+            if USE_L2:
+                fa = xa.to(tl.float32)
+                fb = xb.to(tl.float32)
+                fc = xc.to(tl.float32)
+                fd = xd.to(tl.float32)
+                sa += tl.sum(fa * fa, axis=1)
+                sb += tl.sum(fb * fb, axis=1)
+                sc += tl.sum(fc * fc, axis=1)
+                sd += tl.sum(fd * fd, axis=1)
+            xa = _rn(xa, DT)
+            xb = _rn(xb, DT)
+            xc = _rn(xc, DT)
+            xd = _rn(xd, DT)
+            a00 += _dot(xa, tl.trans(xa), PREC)
+            a10 += _dot(xb, tl.trans(xa), PREC)
+            a11 += _dot(xb, tl.trans(xb), PREC)
+            a20 += _dot(xc, tl.trans(xa), PREC)
+            a21 += _dot(xc, tl.trans(xb), PREC)
+            a22 += _dot(xc, tl.trans(xc), PREC)
+            a30 += _dot(xd, tl.trans(xa), PREC)
+            a31 += _dot(xd, tl.trans(xb), PREC)
+            a32 += _dot(xd, tl.trans(xc), PREC)
+            a33 += _dot(xd, tl.trans(xd), PREC)
+        if USE_L2:
+            ra = tl.rsqrt(sa + 1e-6)
+            rb = tl.rsqrt(sb + 1e-6)
+            rc = tl.rsqrt(sc + 1e-6)
+            rd = tl.rsqrt(sd + 1e-6)
+        a00 = _kkt_block(a00, ra, ra, ba, ga, ga, True)
+        a10 = _kkt_block(a10, rb, ra, bb, gb, ga, False)
+        a11 = _kkt_block(a11, rb, rb, bb, gb, gb, True)
+        a20 = _kkt_block(a20, rc, ra, bc, gc, ga, False)
+        a21 = _kkt_block(a21, rc, rb, bc, gc, gb, False)
+        a22 = _kkt_block(a22, rc, rc, bc, gc, gc, True)
+        a30 = _kkt_block(a30, rd, ra, bd, gd, ga, False)
+        a31 = _kkt_block(a31, rd, rb, bd, gd, gb, False)
+        a32 = _kkt_block(a32, rd, rc, bd, gd, gc, False)
+        a33 = _kkt_block(a33, rd, rd, bd, gd, gd, True)
+
+        # ---- (I + A)^-1: diagonal 16x16 blocks by forward substitution, then the block merge
+        i00, i11, i22, i33 = _tril_inv16x4(a00, a11, a22, a33)
+        i10 = -tl.dot(tl.dot(i11, a10, input_precision=SOLVE_PREC), i00, input_precision=SOLVE_PREC)
+        i21 = -tl.dot(tl.dot(i22, a21, input_precision=SOLVE_PREC), i11, input_precision=SOLVE_PREC)
+        i32 = -tl.dot(tl.dot(i33, a32, input_precision=SOLVE_PREC), i22, input_precision=SOLVE_PREC)
+        t20 = tl.dot(a20, i00, input_precision=SOLVE_PREC)
+        t20 = tl.dot(a21, i10, t20, input_precision=SOLVE_PREC)
+        i20 = -tl.dot(i22, t20, input_precision=SOLVE_PREC)
+        t31 = tl.dot(a31, i11, input_precision=SOLVE_PREC)
+        t31 = tl.dot(a32, i21, t31, input_precision=SOLVE_PREC)
+        i31 = -tl.dot(i33, t31, input_precision=SOLVE_PREC)
+        t30 = tl.dot(a30, i00, input_precision=SOLVE_PREC)
+        t30 = tl.dot(a31, i10, t30, input_precision=SOLVE_PREC)
+        t30 = tl.dot(a32, i20, t30, input_precision=SOLVE_PREC)
+        i30 = -tl.dot(i33, t30, input_precision=SOLVE_PREC)
+
+        if STORE_A:
+            a_base = ainv + ((tok0 + t0) * HV + i_hv) * 64
+            ar = a_base + r[:, None] * (HV * 64) + r[None, :]
+            z = tl.zeros([16, 16], tl.float32)
+            tl.store(ar, _rn(i00, ainv.dtype.element_ty), mask=ma[:, None])
+            tl.store(ar + 16, _rn(z, ainv.dtype.element_ty), mask=ma[:, None])
+            tl.store(ar + 32, _rn(z, ainv.dtype.element_ty), mask=ma[:, None])
+            tl.store(ar + 48, _rn(z, ainv.dtype.element_ty), mask=ma[:, None])
+            ar = ar + 16 * HV * 64
+            tl.store(ar, _rn(i10, ainv.dtype.element_ty), mask=mb[:, None])
+            tl.store(ar + 16, _rn(i11, ainv.dtype.element_ty), mask=mb[:, None])
+            tl.store(ar + 32, _rn(z, ainv.dtype.element_ty), mask=mb[:, None])
+            tl.store(ar + 48, _rn(z, ainv.dtype.element_ty), mask=mb[:, None])
+            ar = ar + 16 * HV * 64
+            tl.store(ar, _rn(i20, ainv.dtype.element_ty), mask=mc[:, None])
+            tl.store(ar + 16, _rn(i21, ainv.dtype.element_ty), mask=mc[:, None])
+            tl.store(ar + 32, _rn(i22, ainv.dtype.element_ty), mask=mc[:, None])
+            tl.store(ar + 48, _rn(z, ainv.dtype.element_ty), mask=mc[:, None])
+            ar = ar + 16 * HV * 64
+            tl.store(ar, _rn(i30, ainv.dtype.element_ty), mask=md[:, None])
+            tl.store(ar + 16, _rn(i31, ainv.dtype.element_ty), mask=md[:, None])
+            tl.store(ar + 32, _rn(i32, ainv.dtype.element_ty), mask=md[:, None])
+            tl.store(ar + 48, _rn(i33, ainv.dtype.element_ty), mask=md[:, None])
+
+    if STORE_W or STORE_U:
+        j00 = _rn(i00, DT)
+        j10 = _rn(i10, DT)
+        j11 = _rn(i11, DT)
+        j20 = _rn(i20, DT)
+        j21 = _rn(i21, DT)
+        j22 = _rn(i22, DT)
+        j30 = _rn(i30, DT)
+        j31 = _rn(i31, DT)
+        j32 = _rn(i32, DT)
+        j33 = _rn(i33, DT)
+    if STORE_W:
+        # W = Ainv @ (beta * exp(g_cum) * k_hat)
+        fa = ba * tl.exp(ga) * ra
+        fb = bb * tl.exp(gb) * rb
+        fc = bc * tl.exp(gc) * rc
+        fd = bd * tl.exp(gd) * rd
+        w_base = w + ((tok0 + t0) * HV + i_hv) * K
+        for i_k in range(0, tl.cdiv(K, BK)):
+            ok = i_k * BK + tl.arange(0, BK)
+            mk = ok < K
+            xa = _rn((_load_rows(k_base, ta, ma, ok, mk, s_kt).to(tl.float32) * fa[:, None]), DT)
+            xb = _rn((_load_rows(k_base, tb, mb, ok, mk, s_kt).to(tl.float32) * fb[:, None]), DT)
+            xc = _rn((_load_rows(k_base, tc, mc, ok, mk, s_kt).to(tl.float32) * fc[:, None]), DT)
+            xd = _rn((_load_rows(k_base, td, md, ok, mk, s_kt).to(tl.float32) * fd[:, None]), DT)
+            wa = _dot(j00, xa, PREC)
+            wb = _dot(j11, xb, PREC)
+            wb = wb + _dot(j10, xa, PREC)
+            wc = _dot(j22, xc, PREC)
+            wc = wc + _dot(j21, xb, PREC)
+            wc = wc + _dot(j20, xa, PREC)
+            wd = _dot(j33, xd, PREC)
+            wd = wd + _dot(j32, xc, PREC)
+            wd = wd + _dot(j31, xb, PREC)
+            wd = wd + _dot(j30, xa, PREC)
+            wp = w_base + r[:, None] * (HV * K) + ok[None, :]
+            tl.store(wp, _rn(wa, w.dtype.element_ty), mask=ma[:, None] & mk[None, :])
+            tl.store(wp + 16 * HV * K, _rn(wb, w.dtype.element_ty), mask=mb[:, None] & mk[None, :])
+            tl.store(wp + 32 * HV * K, _rn(wc, w.dtype.element_ty), mask=mc[:, None] & mk[None, :])
+            tl.store(wp + 48 * HV * K, _rn(wd, w.dtype.element_ty), mask=md[:, None] & mk[None, :])
+    if STORE_U:
+        # U = Ainv @ (beta * v)
+        v_base = v + i_b * s_vb + i_hv * s_vh
+        u_base = u + ((tok0 + t0) * HV + i_hv) * V
+        for i_v in range(0, tl.cdiv(V, BV)):
+            ov = i_v * BV + tl.arange(0, BV)
+            mv = ov < V
+            xa = _rn((_load_rows(v_base, ta, ma, ov, mv, s_vt).to(tl.float32) * ba[:, None]), DT)
+            xb = _rn((_load_rows(v_base, tb, mb, ov, mv, s_vt).to(tl.float32) * bb[:, None]), DT)
+            xc = _rn((_load_rows(v_base, tc, mc, ov, mv, s_vt).to(tl.float32) * bc[:, None]), DT)
+            xd = _rn((_load_rows(v_base, td, md, ov, mv, s_vt).to(tl.float32) * bd[:, None]), DT)
+            ua = _dot(j00, xa, PREC)
+            ub = _dot(j11, xb, PREC)
+            ub = ub + _dot(j10, xa, PREC)
+            uc = _dot(j22, xc, PREC)
+            uc = uc + _dot(j21, xb, PREC)
+            uc = uc + _dot(j20, xa, PREC)
+            ud = _dot(j33, xd, PREC)
+            ud = ud + _dot(j32, xc, PREC)
+            ud = ud + _dot(j31, xb, PREC)
+            ud = ud + _dot(j30, xa, PREC)
+            up = u_base + r[:, None] * (HV * V) + ov[None, :]
+            tl.store(up, _rn(ua, u.dtype.element_ty), mask=ma[:, None] & mv[None, :])
+            tl.store(up + 16 * HV * V, _rn(ub, u.dtype.element_ty), mask=mb[:, None] & mv[None, :])
+            tl.store(up + 32 * HV * V, _rn(uc, u.dtype.element_ty), mask=mc[:, None] & mv[None, :])
+            tl.store(up + 48 * HV * V, _rn(ud, u.dtype.element_ty), mask=md[:, None] & mv[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# kernel 2: sequential state pass (per segment of chunks)
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _dot_h(a, h, DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr):
+    """a @ h for an fp32 state h: with SPLIT_H (half-precision DT), h = hi + lo in two half-precision parts, so the
+    product is nearly fp32-exact at twice the tensor-core work (this product is subtracted from v: cancellation)."""
+    h_hi = _rn(h, DT)
+    r = _dot(a, h_hi, PREC)
+    if SPLIT_H:
+        r += _dot(a, _rn((h - h_hi.to(tl.float32)), DT), PREC)
+    return r
+
+
+@triton.jit(do_not_specialize=["T", "P0", "P1"])
+def _chunk_state_kernel(
+    k, v, beta, ainv, w, u, gcum, h_out, vnew, h0, ht, h0_idx, ht_idx, segments, chunk_offsets, cu_seqlens,
+    q, o, o_idx, T, P0, P1, NV, PO, scale,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
+    s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, s_qb, s_qt, s_qh, s_ob, s_ot, s_oh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+    USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, FROM_AINV: tl.constexpr,
+    INIT: tl.constexpr, H0_BY_SEG: tl.constexpr, H0_INDEXED: tl.constexpr,
+    HAS_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VNEW: tl.constexpr,
+    STORE_FINAL: tl.constexpr, HT_BY_SEG: tl.constexpr, HT_INDEXED: tl.constexpr,
+    FUSE_OUT: tl.constexpr, O_INDEXED: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr,
+):
+    """State h [K, V-tile] of one (segment, value head), fp32 in registers, over the segment's chunks.
+
+    Per chunk: v_new = U - W h, either from stored w/u (FROM_AINV=False) or, with FROM_AINV, directly as
+    v_new = Ainv @ (beta * (v - (exp(g_cum) k_hat) @ h)) (no w/u round trip, better precision); then
+    h = exp(g_last) h + (exp(g_last - g_cum) k_hat)^T v_new.
+    INIT: 0 = zeros, 1 = from h0 (row = segment or sequence, optionally through h0_idx with -1/out-of-range = zeros),
+    2 = identity (transition matrix; then V == K and HAS_U is False: v / u are taken as zero),
+    3 = both passes of a segmented run in one launch: programs i_v < NV run the local pass from zero (final -> ht,
+    row = segment), programs i_v >= NV the transition matrix from the identity without v (final -> h0, row =
+    segment, with h0's strides).
+    FUSE_OUT: also write the output o of every chunk (as the output kernel does) from the state in registers, so
+    that neither h nor v_new goes through memory (O_INDEXED: zeros for sequences whose o_idx row is invalid).
+    """
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_s = tl.program_id(2)
+    n = tl.load(segments + 3 * i_s)
+    c_beg = tl.load(segments + 3 * i_s + 1)
+    c_end = tl.load(segments + 3 * i_s + 2)
+    i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
+    i_h = i_hv // (HV // H)
+    tok0 = i_b * T
+    ok = tl.arange(0, KP)
+    mk = ok < K
+    if INIT == 3:
+        is_t = i_v >= NV
+        not_t = i_v < NV
+        ov = tl.where(is_t, i_v - NV, i_v) * BV + tl.arange(0, BV)
+        mv = ov < tl.where(is_t, K, V)
+    else:
+        not_t = True
+        ov = i_v * BV + tl.arange(0, BV)
+        mv = ov < V
+    m_kv = mk[:, None] & mv[None, :]
+
+    if INIT == 1:
+        if H0_BY_SEG:
+            row = i_s.to(tl.int64)
+        else:
+            row = n.to(tl.int64)
+        ok0 = row >= 0
+        if H0_INDEXED:
+            row = tl.load(h0_idx + row).to(tl.int64)
+            ok0 = (row >= 0) & (row < P0)
+        p0 = h0 + row * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v
+        h = tl.load(p0, mask=m_kv & ok0, other=0.0).to(tl.float32)
+    elif INIT == 2:
+        h = tl.where((ok[:, None] == ov[None, :]) & m_kv, 1.0, 0.0)
+    elif INIT == 3:
+        h = tl.where((ok[:, None] == ov[None, :]) & m_kv & is_t, 1.0, 0.0)
+    else:
+        h = tl.zeros([KP, BV], tl.float32)
+
+    choff = tl.load(chunk_offsets + n).to(tl.int64)
+    k_base = k + i_b * s_kb + i_h * s_kh
+    v_base = v + i_b * s_vb + i_hv * s_vh
+    b_base = beta + i_b * s_bb + i_hv * s_bh
+    to = tl.arange(0, 64)
+    for c in range(c_beg.to(tl.int64), c_end.to(tl.int64)):
+        t0 = bos + c * 64
+        rows = t0 + to
+        m = rows < eos
+        trow = (tok0 + rows) * HV + i_hv
+        if STORE_H:
+            hp = h_out + ((choff + c) * HV + i_hv) * (K * V) + ok[:, None] * V + ov[None, :]
+            tl.store(hp, _rn(h, h_out.dtype.element_ty), mask=m_kv)
+        b_g = tl.load(gcum + trow, mask=m, other=0.0)
+        last = tl.minimum(t0 + 64, eos) - 1
+        g_last = tl.load(gcum + (tok0 + last) * HV + i_hv)
+        b_k = tl.load(k_base + rows[:, None] * s_kt + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0)
+        kf = b_k.to(tl.float32)
+        if USE_L2:
+            rk = tl.rsqrt(tl.sum(kf * kf, axis=1) + 1e-6)
+        else:
+            rk = tl.full([64], 1.0, tl.float32)
+        if FROM_AINV:
+            b_kg = _rn((kf * (tl.exp(b_g) * rk)[:, None]), DT)
+            b_r = -_dot_h(b_kg, h, DT, PREC, SPLIT_H)
+            if HAS_U:
+                b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
+                               other=0.0).to(tl.float32)
+            b_beta = tl.load(b_base + rows * s_bt, mask=m, other=0.0).to(tl.float32)
+            b_r = b_r * b_beta[:, None]
+            b_a = _rn(tl.load(ainv + trow[:, None] * 64 + to[None, :], mask=m[:, None], other=0.0), DT)
+            b_v = _dot(b_a, _rn(b_r, DT), PREC)
+        else:
+            b_w = _rn(tl.load(w + trow[:, None] * K + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
+            b_v = -_dot_h(b_w, h, DT, PREC, SPLIT_H)
+            if HAS_U:
+                b_v += tl.load(u + trow[:, None] * V + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
+                               other=0.0).to(tl.float32)
+        if STORE_VNEW:
+            tl.store(vnew + trow[:, None] * V + ov[None, :], _rn(b_v, vnew.dtype.element_ty),
+                     mask=m[:, None] & mv[None, :])
+        if FUSE_OUT:
+            # o = scale * (diag(exp(g) r_q) (q @ h) + ((q k^T) * r_q r_k^T * Gamma, causal) @ v_new)
+            b_q = tl.load(q + i_b * s_qb + i_h * s_qh + rows[:, None] * s_qt + ok[None, :],
+                          mask=m[:, None] & mk[None, :], other=0.0)
+            if USE_L2:
+                qf = b_q.to(tl.float32)
+                rq = tl.rsqrt(tl.sum(qf * qf, axis=1) + 1e-6) * scale
+            else:
+                rq = tl.full([64], 1.0, tl.float32) * scale
+            b_q = _rn(b_q, DT)
+            b_o = _dot(b_q, _rn(h, DT), PREC) * (rq * tl.exp(b_g))[:, None]
+            qk = _dot(b_q, tl.trans(_rn(b_k, DT)), PREC)
+            causal = (to[:, None] >= to[None, :]) & m[:, None]
+            dd = tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)
+            att = tl.where(causal, qk * tl.exp(dd) * rq[:, None] * rk[None, :], 0.0)
+            b_o += _dot(_rn(att, DT), _rn(b_v, DT), PREC)
+            if O_INDEXED:
+                oi = tl.load(o_idx + n)
+                b_o = tl.where((oi >= 0) & (oi < PO), b_o, 0.0)
+            tl.store(o + i_b * s_ob + i_hv * s_oh + rows[:, None] * s_ot + ov[None, :], _rn(b_o, o.dtype.element_ty),
+                     mask=m[:, None] & mv[None, :])
+        dec = tl.where(m, tl.exp(g_last - b_g), 0.0) * rk
+        b_kd = _rn((kf * dec[:, None]), DT)
+        h = h * tl.exp(g_last) + _dot(tl.trans(b_kd), _rn(b_v, DT), PREC)
+
+    if INIT == 3:
+        rs = i_s.to(tl.int64)
+        tl.store(ht + rs * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v, _rn(h, ht.dtype.element_ty),
+                 mask=m_kv & not_t)
+        tl.store(h0 + rs * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v, _rn(h, h0.dtype.element_ty),
+                 mask=m_kv & is_t)
+    elif STORE_FINAL:
+        if HT_BY_SEG:
+            row1 = i_s.to(tl.int64)
+        else:
+            row1 = n.to(tl.int64)
+        ok1 = row1 >= 0
+        if HT_INDEXED:
+            row1 = tl.load(ht_idx + row1).to(tl.int64)
+            ok1 = (row1 >= 0) & (row1 < P1)
+        p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
+        tl.store(p1, _rn(h, ht.dtype.element_ty), mask=m_kv & ok1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# kernel 3: merge of segment states (long sequences)
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["P0", "P1"])
+def _chunk_merge_kernel(
+    h0, ht, h0_idx, ht_idx, trans, hloc, hs, seg_offsets, P0, P1,
+    s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, H0_INDEXED: tl.constexpr, STORE_FINAL: tl.constexpr, HT_INDEXED: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """hs[s0] = h0; hs[s + 1] = trans[s] @ hs[s] + hloc[s] (fp32, [S, HV, K, V] / [S, HV, K, K]); last -> ht."""
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    n = tl.program_id(2)
+    s0 = tl.load(seg_offsets + n)
+    s1 = tl.load(seg_offsets + n + 1)
+    ov = i_v * BV + tl.arange(0, BV)
+    mv = ov < V
+    ob = tl.arange(0, BK)
+    # start state of the first segment
+    row = n.to(tl.int64)
+    ok0 = row >= 0
+    if H0_INDEXED:
+        row = tl.load(h0_idx + row).to(tl.int64)
+        ok0 = (row >= 0) & (row < P0)
+    row1 = n.to(tl.int64)
+    ok1 = row1 >= 0
+    if HT_INDEXED:
+        row1 = tl.load(ht_idx + row1).to(tl.int64)
+        ok1 = (row1 >= 0) & (row1 < P1)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        okk = i_k * BK + ob
+        m = (okk < K)[:, None] & mv[None, :]
+        if HAS_H0:
+            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v, mask=m & ok0,
+                        other=0.0).to(tl.float32)
+        else:
+            x = tl.zeros([BK, BV], tl.float32)
+        tl.store(hs + ((s0.to(tl.int64) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x, mask=m)
+    tl.debug_barrier()
+    for s64 in range(s0.to(tl.int64), s1.to(tl.int64)):
+        for i_k in range(0, tl.cdiv(K, BK)):
+            okk = i_k * BK + ob
+            m = (okk < K)[:, None] & mv[None, :]
+            acc = tl.load(hloc + ((s64 * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], mask=m, other=0.0)
+            for j_k in range(0, tl.cdiv(K, BK)):
+                ojj = j_k * BK + ob
+                mj = ojj < K
+                pm = tl.load(trans + ((s64 * HV + i_hv) * K + okk[:, None]) * K + ojj[None, :],
+                             mask=(okk < K)[:, None] & mj[None, :], other=0.0)
+                # written by this program in the previous step (barrier in between): read through L2
+                xs = tl.load(hs + ((s64 * HV + i_hv) * K + ojj[:, None]) * V + ov[None, :],
+                             mask=mj[:, None] & mv[None, :], other=0.0, cache_modifier=".cg")
+                acc = tl.dot(pm, xs, acc, input_precision=PREC)
+            tl.store(hs + (((s64 + 1) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], acc,
+                     mask=m & (s64 + 1 < s1))
+            if STORE_FINAL:
+                tl.store(ht + row1 * s1n + i_hv * s1h + okk[:, None] * s1k + ov[None, :] * s1v,
+                         _rn(acc, ht.dtype.element_ty), mask=m & ok1 & (s64 + 1 == s1))
+        tl.debug_barrier()
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# kernel 4: output
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["T", "P0"])
+def _chunk_output_kernel(
+    q, k, vnew, h, gcum, o, chunk_indices, chunk_offsets, cu_seqlens, seq_idx, T, P0, scale,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_IDX: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):
+    """o[chunk, V tile] = scale * (diag(exp(g) r_q) (q @ h) + ((q k^T) * r_q r_k^T * Gamma, causal) @ v_new), with
+    the K dimension in BK tiles (the row scalings r = L2 norms and exp(g) are applied after the products)."""
+    i_v = tl.program_id(0)
+    i_t = tl.program_id(1)
+    i_hv = tl.program_id(2)
+    n = tl.load(chunk_indices + 2 * i_t)
+    c = tl.load(chunk_indices + 2 * i_t + 1)
+    i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
+    i_h = i_hv // (HV // H)
+    tok0 = i_b * T
+    t0 = bos + c.to(tl.int64) * 64
+    to = tl.arange(0, 64)
+    rows = t0 + to
+    m = rows < eos
+    ov = i_v * BV + tl.arange(0, BV)
+    mv = ov < V
+    valid = n >= 0
+    if HAS_IDX:
+        idx = tl.load(seq_idx + n)
+        valid = (idx >= 0) & (idx < P0)
+    op = o + i_b * s_ob + i_hv * s_oh + rows[:, None] * s_ot + ov[None, :]
+    if valid:
+        q_base = q + i_b * s_qb + i_h * s_qh + rows[:, None] * s_qt
+        k_base = k + i_b * s_kb + i_h * s_kh + rows[:, None] * s_kt
+        h_base = h + ((tl.load(chunk_offsets + n).to(tl.int64) + c) * HV + i_hv) * (K * V) + ov[None, :]
+        acc = tl.zeros([64, BV], tl.float32)
+        qk = tl.zeros([64, 64], tl.float32)
+        sq = tl.zeros([64], tl.float32)
+        sk = tl.zeros([64], tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            ok = i_k * BK + tl.arange(0, BK)
+            mk = ok < K
+            b_q = tl.load(q_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0)
+            b_k = tl.load(k_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0)
+            if USE_L2:
+                qf = b_q.to(tl.float32)
+                kf = b_k.to(tl.float32)
+                sq += tl.sum(qf * qf, axis=1)
+                sk += tl.sum(kf * kf, axis=1)
+            b_q = _rn(b_q, DT)
+            b_h = _rn(tl.load(h_base + ok[:, None] * V, mask=mk[:, None] & mv[None, :], other=0.0), DT)
+            acc += _dot(b_q, b_h, PREC)
+            qk += _dot(b_q, tl.trans(_rn(b_k, DT)), PREC)
+        trow = (tok0 + rows) * HV + i_hv
+        b_g = tl.load(gcum + trow, mask=m, other=0.0)
+        if USE_L2:
+            rq = tl.rsqrt(sq + 1e-6) * scale
+            rk = tl.rsqrt(sk + 1e-6)
+        else:
+            rq = tl.full([64], 1.0, tl.float32) * scale
+            rk = tl.full([64], 1.0, tl.float32)
+        # inter-chunk part: (scale * exp(g) * q_hat) @ h
+        acc = acc * (rq * tl.exp(b_g))[:, None]
+        # intra-chunk part: ((q_hat k_hat^T) * Gamma, causal) @ v_new
+        causal = (to[:, None] >= to[None, :]) & m[:, None]
+        d = tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)
+        att = tl.where(causal, qk * tl.exp(d) * rq[:, None] * rk[None, :], 0.0)
+        b_vn = _rn(tl.load(vnew + trow[:, None] * V + ov[None, :], mask=m[:, None] & mv[None, :], other=0.0), DT)
+        acc += _dot(_rn(att, DT), b_vn, PREC)
+        tl.store(op, _rn(acc, o.dtype.element_ty), mask=m[:, None] & mv[None, :])
+    else:
+        tl.store(op, _rn(tl.zeros([64, BV], tl.float32), o.dtype.element_ty), mask=m[:, None] & mv[None, :])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# launch functions (tensors and plain scalars in, outputs allocated here)
+# ----------------------------------------------------------------------------------------------------------------------
+def _strides3(x):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _ci(cu_seqlens, T, B, chunk_size, chunk_index, device):
+    if chunk_index is not None:
+        return chunk_index
+    return prepare_chunk_indices(cu_seqlens, T, chunk_size, B, device=device)
+
+
+def _cu_arg(cu_seqlens, dummy):
+    return cu_seqlens if cu_seqlens is not None else dummy
+
+
+def _check_chunk_size(chunk_size):
+    if int(chunk_size) != CHUNK_SIZE:
+        raise ValueError(f"chunk_size: the Triton kernels support chunk_size = {CHUNK_SIZE}, got {chunk_size}")
+
+
+def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
+                      use_qk_l2norm_in_kernel: bool = False, *, store_ainv: bool = True, store_wu: bool = True,
+                      g_is_cumsum: bool = False, out_dtype: Optional[torch.dtype] = None,
+                      chunk_index: Optional[ChunkIndex] = None, ainv_dtype: torch.dtype = torch.float32):
+    """Fused cumsum + K K^T + triangular solve + W/U.
+
+    k [B, T, H, K], v [B, T, HV, V] (strided, last dim contiguous), g, beta [B, T, HV] (any float dtype; g log-space,
+    or already the chunk-local cumsum when ``g_is_cumsum``).
+    Returns ``(g_cum [B, T, HV] fp32, Ainv [B, T, HV, 64] (``ainv_dtype``, default fp32) or None,
+    w [B, T, HV, K] or None, u [B, T, HV, V] or None)``; w/u in ``out_dtype`` (default: the tensor-core dtype of k/v,
+    i.e. bf16 for bf16 inputs). Ainv row t holds row (t - chunk start) of its chunk's (I + A)^-1 (no beta factor).
+    """
+    _check_chunk_size(chunk_size)
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = k.device
+    ci = _ci(cu_seqlens, T, B, chunk_size, chunk_index, dev)
+    dt = _dot_dtype(k, v)
+    out_dtype = out_dtype or dt
+    g_cum = g if (g_is_cumsum and g.dtype == torch.float32 and g.is_contiguous()) else \
+        _empty(B, T, HV, device=dev, dtype=torch.float32)
+    store_g = g_cum is not g
+    ainv = _empty(B, T, HV, CHUNK_SIZE, device=dev, dtype=ainv_dtype) if store_ainv else None
+    w = _empty(B, T, HV, K, device=dev, dtype=out_dtype) if store_wu else None
+    u = _empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_wu else None
+    if ci.NT == 0 or HV == 0:
+        return g_cum, ainv, w, u
+    dummy = g_cum
+    BK = min(int(CONFIG["prepare_BK"]), _pow2(K))
+    BV = min(int(CONFIG["prepare_BV"]), _pow2(V))
+    _launch(_chunk_prepare_kernel, (ci.NT, HV),
+        k, v, g, beta, g_cum, ainv if ainv is not None else dummy, w if w is not None else dummy,
+        u if u is not None else dummy, ci.chunk_indices, _cu_arg(cu_seqlens, ci.chunk_offsets), T,
+        *_strides3(k), *_strides3(v), *_strides3(g), *_strides3(beta),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
+        G_IS_CUM=bool(g_is_cumsum), STORE_G=store_g, STORE_A=store_ainv, LOAD_A=False, STORE_W=store_wu,
+        STORE_U=store_wu, DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"], SOLVE_PREC=CONFIG["solve_precision"],
+        num_warps=int(CONFIG["prepare_warps"]), num_stages=int(CONFIG["prepare_stages"]),
+        maxnreg=CONFIG["prepare_maxnreg"],
+    )
+    return g_cum, ainv, w, u
+
+
+def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = CHUNK_SIZE, cu_seqlens: Optional[torch.Tensor] = None,
+                       chunk_index: Optional[ChunkIndex] = None) -> torch.Tensor:
+    """Chunk-local cumulative sum of g [B, T, HV] (any float dtype, any strides) -> fp32 [B, T, HV]; restarts at
+    every chunk of ``chunk_size`` tokens counted from each sequence start."""
+    _check_chunk_size(chunk_size)
+    B, T, HV = g.shape
+    dev = g.device
+    ci = _ci(cu_seqlens, T, B, chunk_size, chunk_index, dev)
+    out = _empty(B, T, HV, device=dev, dtype=torch.float32)
+    if ci.NT == 0 or HV == 0:
+        return out
+    _launch(_chunk_cumsum_kernel, (ci.NT, HV), g, out, ci.chunk_indices, _cu_arg(cu_seqlens, ci.chunk_offsets), T,
+                                      *_strides3(g), HV=HV, IS_VARLEN=ci.is_varlen)
+    return out
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_cumsum_kernel(g, out, chunk_indices, cu_seqlens, T, s_gb, s_gt, s_gh, HV: tl.constexpr,
+                         IS_VARLEN: tl.constexpr):
+    i_t = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    n = tl.load(chunk_indices + 2 * i_t)
+    c = tl.load(chunk_indices + 2 * i_t + 1)
+    i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
+    rows = bos + c.to(tl.int64) * 64 + tl.arange(0, 64)
+    m = rows < eos
+    x = tl.load(g + i_b * s_gb + rows * s_gt + i_hv * s_gh, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + (i_b * T + rows) * HV + i_hv, tl.cumsum(x, axis=0), mask=m)
+
+
+def chunk_scaled_dot_kkt_solve(k: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor,
+                               cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
+                               use_qk_l2norm_in_kernel: bool = False, *, HV: Optional[int] = None,
+                               chunk_index: Optional[ChunkIndex] = None) -> torch.Tensor:
+    """Ainv = (I + strictLower(diag(beta) (Gamma * K_hat K_hat^T)))^-1 per chunk, fp32 [B, T, HV, 64].
+
+    k [B, T, H, K]; g_cum [B, T, HV] (chunk-local cumsum, e.g. from :func:`chunk_local_cumsum`); beta [B, T, HV].
+    Row t holds row (t - chunk start) of its chunk's inverse; columns beyond the chunk's end are zero.
+    """
+    B, T, H, K = k.shape
+    HV = g_cum.shape[2]
+    v_dummy = k.new_empty(1).expand(B, T, HV, 16)  # not read
+    _, ainv, _, _ = chunk_fwd_prepare(k, v_dummy, g_cum, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
+                                      store_ainv=True, store_wu=False, g_is_cumsum=True, chunk_index=chunk_index)
+    return ainv
+
+
+def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: torch.Tensor, g_cum: torch.Tensor,
+                  cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
+                  use_qk_l2norm_in_kernel: bool = False, *, out_dtype: Optional[torch.dtype] = None,
+                  chunk_index: Optional[ChunkIndex] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """w = Ainv @ (beta * exp(g_cum) * k_hat) [B, T, HV, K], u = Ainv @ (beta * v) [B, T, HV, V] from a stored Ainv
+    (fp32 [B, T, HV, 64], as returned by :func:`chunk_scaled_dot_kkt_solve`). Output dtype: ``out_dtype`` or the
+    tensor-core dtype of k/v."""
+    _check_chunk_size(chunk_size)
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = k.device
+    ci = _ci(cu_seqlens, T, B, chunk_size, chunk_index, dev)
+    dt = _dot_dtype(k, v)
+    out_dtype = out_dtype or dt
+    w = _empty(B, T, HV, K, device=dev, dtype=out_dtype)
+    u = _empty(B, T, HV, V, device=dev, dtype=out_dtype)
+    if ci.NT == 0 or HV == 0:
+        return w, u
+    ainv = ainv.contiguous()
+    g_cum = g_cum.float().contiguous()
+    BK = min(int(CONFIG["prepare_BK"]), _pow2(K))
+    BV = min(int(CONFIG["prepare_BV"]), _pow2(V))
+    _launch(_chunk_prepare_kernel, (ci.NT, HV),
+        k, v, g_cum, beta, g_cum, ainv, w, u, ci.chunk_indices, _cu_arg(cu_seqlens, ci.chunk_offsets), T,
+        *_strides3(k), *_strides3(v), *_strides3(g_cum), *_strides3(beta),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
+        G_IS_CUM=True, STORE_G=False, STORE_A=False, LOAD_A=True, STORE_W=True, STORE_U=True,
+        DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"], SOLVE_PREC=CONFIG["solve_precision"],
+        num_warps=int(CONFIG["prepare_warps"]), num_stages=int(CONFIG["prepare_stages"]),
+        maxnreg=CONFIG["prepare_maxnreg"],
+    )
+    return w, u
+
+
+def _state_strides(x: Optional[torch.Tensor], layout: str):
+    if x is None:
+        return (0, 0, 0, 0)
+    if layout == "v_last":
+        return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
+    return x.stride(0), x.stride(1), x.stride(3), x.stride(2)
+
+
+def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[torch.Tensor], g_cum: torch.Tensor,
+                     initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                     cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
+                     use_qk_l2norm_in_kernel: bool = False, *, v: Optional[torch.Tensor] = None,
+                     beta: Optional[torch.Tensor] = None, ainv: Optional[torch.Tensor] = None,
+                     h_dtype: torch.dtype = torch.float32, vnew_dtype: Optional[torch.dtype] = None,
+                     store_h: bool = True, store_vnew: bool = True, state_layout: str = "v_last",
+                     final_state: Optional[torch.Tensor] = None, state_indices: Optional[torch.Tensor] = None,
+                     segment_chunks: Optional[int] = None, chunk_index: Optional[ChunkIndex] = None,
+                     dot_dtype: Optional[torch.dtype] = None, split_h: Optional[bool] = None, _fuse=None):
+    """The sequential inter-chunk pass.
+
+    k [B, T, H, K] (raw; L2-normalised in-kernel when asked), g_cum [B, T, HV] fp32, and either
+    w [B, T, HV, K] + u [B, T, HV, V] (``v_new = u - w h``), or (pass w = u = None) ``v`` [B, T, HV, V] (strided ok),
+    ``beta`` [B, T, HV] and ``ainv`` [B, T, HV, 64] (from :func:`chunk_fwd_prepare`; any float dtype):
+    ``v_new = Ainv @ (beta * (v - (exp(g_cum) k_hat) @ h))``, which skips the w/u round trip and is more accurate.
+    initial_state: None or [N, HV, K, V] ("v_last") / [N, HV, V, K] ("k_last"), any float dtype, any strides; with
+    ``state_indices`` ([N] int, -1 = padding) it is a pool [P, HV, ...] read at rows ``state_indices[n]``.
+    Returns ``(h [NT, HV, K, V] h_dtype (start state of every chunk, v_last), v_new [B, T, HV, V], final)`` where
+    final is None unless ``output_final_state`` or ``final_state`` is given: fp32 [N, HV, ...] in ``state_layout``,
+    or written into ``final_state`` (e.g. the pool itself, rows ``state_indices[n]``, its dtype).
+    v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
+    ``segment_chunks``: None = heuristic / CONFIG, -1 = never segment, n > 0 = segments of n chunks.
+    ``split_h``: compute the h product of v_new as hi + lo half-precision parts (default: CONFIG["state_split_h"]).
+    """
+    _check_chunk_size(chunk_size)
+    B, T, H, K = k.shape
+    from_ainv = ainv is not None
+    if from_ainv:
+        if v is None or beta is None:
+            raise ValueError("chunk_state_pass: ainv needs v and beta")
+        HV, V = v.shape[2], v.shape[3]
+    else:
+        HV, V = u.shape[2], u.shape[3]
+    dev = k.device
+    ci = _ci(cu_seqlens, T, B, chunk_size, chunk_index, dev)
+    dt = dot_dtype or (_dot_dtype(k, v) if from_ainv else _dot_dtype(k, w))
+    split_h = bool(CONFIG["state_split_h"] if split_h is None else split_h) and dt != torch.float32
+    vnew_dtype = vnew_dtype or (dt if from_ainv else u.dtype)
+    h = _empty(ci.NT, HV, K, V, device=dev, dtype=h_dtype) if store_h else None
+    v_new = _empty(B, T, HV, V, device=dev, dtype=vnew_dtype) if store_vnew else None
+    ht = final_state
+    if ht is None and output_final_state:
+        shape = (ci.N, HV, K, V) if state_layout == "v_last" else (ci.N, HV, V, K)
+        ht = _empty(*shape, device=dev, dtype=torch.float32)
+    if ci.N == 0 or HV == 0:
+        return h, v_new, ht
+    KP = _pow2(K)
+    BV = _state_bv(K, V)
+    seg = choose_segment_len(ci, HV, V, BV, dev, force=segment_chunks, K=K)
+    plan = plan_segments(ci, seg, dev)
+    dummy = g_cum
+    idx = state_indices
+    cu = _cu_arg(cu_seqlens, ci.chunk_offsets)
+    if from_ainv:
+        vv, bb, aa, ww, uu = v, beta, ainv.contiguous(), dummy, dummy
+        sv, sb = _strides3(v), _strides3(beta)
+    else:
+        vv, bb, aa, ww, uu = dummy, dummy, dummy, w, (u if u is not None else dummy)
+        sv, sb = (0, 0, 0), (0, 0, 0)
+
+    fz = _fuse or {}
+    if _fuse is not None:
+        dt = _dot_dtype(fz["q"], k, v) if from_ainv else _dot_dtype(fz["q"], k, w)
+
+    def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, fuse=False, **flags):
+        fq, fo = (fz["q"], fz["o"]) if fuse else (k, dummy)
+        fidx = fz.get("o_idx") if fuse else None
+        _launch(_chunk_state_kernel, (triton.cdiv(Vd, bv) + n_extra, HV, S),
+                k, vv, bb, aa, ww, uu, g_cum, h_out if h_out is not None else dummy,
+                vn_out if vn_out is not None else dummy, h0 if h0 is not None else dummy,
+                ht_ if ht_ is not None else dummy, h0_idx if h0_idx is not None else ci.chunk_offsets,
+                ht_idx if ht_idx is not None else ci.chunk_offsets, plan.segments, ci.chunk_offsets, cu,
+                fq, fo, fidx if fidx is not None else ci.chunk_offsets, T, P0, P1, triton.cdiv(Vd, bv),
+                int(fz.get("pool_size", 0)), float(fz.get("scale", 1.0)),
+                *_strides3(k), *sv, *sb, *s0, *s1, *_strides3(fq), *(_strides3(fo) if fuse else (0, 0, 0)),
+                H=H, HV=HV, K=K, V=Vd, KP=KP, BV=bv, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
+                FROM_AINV=from_ainv, DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"], SPLIT_H=split_h,
+                STORE_H=h_out is not None, STORE_VNEW=vn_out is not None, STORE_FINAL=ht_ is not None,
+                FUSE_OUT=fuse, O_INDEXED=fidx is not None,
+                num_warps=int(CONFIG["state_warps"]), num_stages=int(CONFIG["state_stages"]),
+                maxnreg=CONFIG["state_maxnreg"], **flags)
+
+    s0 = _state_strides(initial_state, state_layout)
+    s1 = _state_strides(ht, state_layout)
+    P = initial_state.shape[0] if initial_state is not None else 0
+    P1 = ht.shape[0] if ht is not None else 0
+    has_u = from_ainv or u is not None
+    if not plan.segmented:
+        launch(V, BV, plan.S, h, v_new, initial_state, ht, idx, idx, P, P1, s0, s1, fuse=_fuse is not None,
+               INIT=1 if initial_state is not None else 0, H0_BY_SEG=False, H0_INDEXED=idx is not None, HAS_U=has_u,
+               HT_BY_SEG=False, HT_INDEXED=idx is not None)
+        return h, v_new, ht
+    # ---- segmented: local states from zero, transition matrices, merge, then the pass from the true starts
+    S = plan.S
+    hloc = _empty(S, HV, K, V, device=dev, dtype=torch.float32)
+    trans = _empty(S, HV, K, K, device=dev, dtype=torch.float32)
+    hs = _empty(S, HV, K, V, device=dev, dtype=torch.float32)
+    vl = _state_strides(hloc, "v_last")
+    zero4 = (0, 0, 0, 0)
+    # one launch: local states (programs 0 .. NV-1) and transition matrices (programs NV .. NV+NK-1)
+    launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, _state_strides(trans, "v_last"), vl,
+           n_extra=triton.cdiv(K, BV), INIT=3, H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True,
+           HT_INDEXED=False)
+    BKM = min(int(CONFIG["merge_BK"]), _pow2(K))
+    BVM = min(int(CONFIG["merge_BV"]), _pow2(V))
+    _launch(_chunk_merge_kernel, (triton.cdiv(V, BVM), HV, ci.N),
+        initial_state if initial_state is not None else dummy, ht if ht is not None else dummy,
+        idx if idx is not None else ci.chunk_offsets, idx if idx is not None else ci.chunk_offsets,
+        trans, hloc, hs, plan.seg_offsets, P, P1, *s0, *s1, HV=HV, K=K, V=V, BK=BKM, BV=BVM,
+        HAS_H0=initial_state is not None, H0_INDEXED=idx is not None, STORE_FINAL=ht is not None,
+        HT_INDEXED=idx is not None, PREC=CONFIG["solve_precision"], num_warps=int(CONFIG["merge_warps"]))
+    launch(V, BV, S, h, v_new, hs, None, None, None, S, 0, vl, zero4, fuse=_fuse is not None, INIT=1,
+           H0_BY_SEG=True, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=False, HT_INDEXED=False)
+    return h, v_new, ht
+
+
+def chunk_state_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: torch.Tensor,
+                       g_cum: torch.Tensor, scale: float, initial_state: Optional[torch.Tensor] = None,
+                       output_final_state: bool = False, cu_seqlens: Optional[torch.Tensor] = None,
+                       chunk_size: int = CHUNK_SIZE, use_qk_l2norm_in_kernel: bool = False, *,
+                       w: Optional[torch.Tensor] = None, u: Optional[torch.Tensor] = None,
+                       out_dtype: Optional[torch.dtype] = None, state_layout: str = "v_last",
+                       final_state: Optional[torch.Tensor] = None, state_indices: Optional[torch.Tensor] = None,
+                       segment_chunks: Optional[int] = None, chunk_index: Optional[ChunkIndex] = None):
+    """State pass with the output fused in (``CONFIG["fuse_output"]``): returns ``(o [B, T, HV, V], final)``;
+    neither h nor v_new is written to memory. Arguments as :func:`chunk_state_pass` / :func:`chunk_output`
+    (``ainv``/``v``/``beta``, or ``w``/``u`` with ``ainv=None``)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = _empty(B, T, HV, V, device=q.device, dtype=out_dtype or v.dtype)
+    P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
+    fuse = dict(q=q, o=o, scale=scale, o_idx=state_indices, pool_size=P)
+    from_ainv = ainv is not None
+    _, _, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
+                                use_qk_l2norm_in_kernel, v=v if from_ainv else None, beta=beta if from_ainv else None,
+                                ainv=ainv, store_h=False, store_vnew=False, state_layout=state_layout,
+                                final_state=final_state, state_indices=state_indices, segment_chunks=segment_chunks,
+                                chunk_index=chunk_index, _fuse=fuse)
+    return o, ht
+
+
+def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, g_cum: torch.Tensor,
+                 scale: float, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
+                 use_qk_l2norm_in_kernel: bool = False, *, out_dtype: Optional[torch.dtype] = None,
+                 state_indices: Optional[torch.Tensor] = None, pool_size: int = 0,
+                 chunk_index: Optional[ChunkIndex] = None) -> torch.Tensor:
+    """o = scale * ((exp(g_cum) q_hat) @ h + ((q_hat k_hat^T) * Gamma, causal) @ v_new), [B, T, HV, V].
+
+    q, k [B, T, H, K] raw (strided ok); v_new [B, T, HV, V]; h [NT, HV, K, V] (start state of every chunk);
+    g_cum [B, T, HV] fp32. With ``state_indices`` ([N], pool of ``pool_size`` rows), sequences whose index is
+    negative / out of range get zeros.
+    """
+    _check_chunk_size(chunk_size)
+    B, T, H, K = q.shape
+    HV, V = v_new.shape[2], v_new.shape[3]
+    dev = q.device
+    ci = _ci(cu_seqlens, T, B, chunk_size, chunk_index, dev)
+    o = _empty(B, T, HV, V, device=dev, dtype=out_dtype or v_new.dtype)
+    if ci.NT == 0 or HV == 0:
+        return o
+    dt = _dot_dtype(q, k, v_new)
+    BV = min(int(CONFIG["output_BV"]), _pow2(V))
+    _launch(_chunk_output_kernel, (triton.cdiv(V, BV), ci.NT, HV),
+        q, k, v_new, h, g_cum, o, ci.chunk_indices, ci.chunk_offsets, _cu_arg(cu_seqlens, ci.chunk_offsets),
+        state_indices if state_indices is not None else ci.chunk_offsets, T, pool_size, float(scale),
+        *_strides3(q), *_strides3(k), *_strides3(o),
+        H=H, HV=HV, K=K, V=V, BK=min(int(CONFIG["output_BK"]), _pow2(K)), BV=BV,
+        USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen, HAS_IDX=state_indices is not None, DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"],
+        num_warps=int(CONFIG["output_warps"]), num_stages=int(CONFIG["output_stages"]),
+        maxnreg=CONFIG["output_maxnreg"],
+    )
+    return o
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, chunk_size=CHUNK_SIZE, use_qk_l2norm_in_kernel=False, *,
+                               state_layout="v_last", state_indices=None, final_state=None,
+                               segment_chunks=None, h_dtype=None, store_ainv=False):
+    """The whole forward. Returns ``(o [B, T, HV, V] in v's dtype, final state or None, aux dict)``.
+
+    ``initial_state``/``final_state``/``state_indices`` as in :func:`chunk_state_pass`; aux holds the intermediates
+    (g_cum, Ainv when ``store_ainv``, h, v_new, chunk_index)."""
+    _check_chunk_size(chunk_size)
+    B, T, H, K = q.shape
+    ci = prepare_chunk_indices(cu_seqlens, T, chunk_size, B, device=q.device)
+    dt = _dot_dtype(k, v)
+    from_ainv = CONFIG["state_mode"] == "ainv"
+    a_dtype = torch.float32 if (store_ainv or CONFIG["ainv_dtype"] == "fp32") else dt
+    g_cum, ainv, w, u = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
+                                          store_ainv=store_ainv or from_ainv, store_wu=not from_ainv,
+                                          chunk_index=ci, ainv_dtype=a_dtype)
+    # fp32 operands with the output fused in need too much shared memory for large K: fused only for half inputs
+    if CONFIG["fuse_output"] and _dot_dtype(q, k, v) != torch.float32:
+        o, ht = chunk_state_output(q, k, v, beta, ainv if from_ainv else None, g_cum, scale, initial_state,
+                                   output_final_state, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, w=w, u=u,
+                                   out_dtype=v.dtype, state_layout=state_layout, final_state=final_state,
+                                   state_indices=state_indices, segment_chunks=segment_chunks, chunk_index=ci)
+        return o, ht, dict(g_cum=g_cum, ainv=ainv, h=None, v_new=None, chunk_index=ci)
+    if h_dtype is None:
+        h_dtype = torch.float32 if CONFIG["h_dtype"] == "fp32" else dt
+    h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
+                                    use_qk_l2norm_in_kernel, v=v if from_ainv else None,
+                                    beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,
+                                    h_dtype=h_dtype, state_layout=state_layout, final_state=final_state,
+                                    state_indices=state_indices, segment_chunks=segment_chunks, chunk_index=ci)
+    P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
+    o = chunk_output(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
+                     out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci)
+    return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci)
+
+
+__all__ = [
+    "CONFIG", "set_config", "config_override", "bench_configs", "ChunkIndex", "prepare_chunk_indices",
+    "chunk_local_cumsum", "chunk_fwd_prepare", "chunk_scaled_dot_kkt_solve", "recompute_w_u", "chunk_state_pass",
+    "chunk_output", "chunk_state_output", "chunk_gated_delta_rule_fwd",
+]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# GPU sweep hook:  python -m gdn.kernels.chunk_fwd [--quick] [--shapes 1x8192:16/32,...] [--configs JSON-list]
+# ----------------------------------------------------------------------------------------------------------------------
+TARGET_SHAPES = [  # (B, T, H, HV, FlashInfer ms on H200) for bf16, K = V = 128, L2 norm on, final state on
+    (1, 8192, 16, 32, 0.424), (1, 32768, 16, 32, 0.921), (4, 4096, 16, 32, 0.264), (1, 65536, 2, 8, 0.452),
+    (1, 32768, 64, 64, 2.097),
+]
+
+
+def _time_ms(fn, warmup=3, iters=10):
+    if not torch.cuda.is_available():  # plumbing test on CPU (interpreter)
+        import time
+
+        fn()
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def sweep(shapes=None, configs=None, K=128, V=128, iters=10, stages=False, file=None, device="cuda"):
+    """Time the forward (and, with ``stages``, its kernels separately) for every config on every shape.
+
+    Prints one line per (shape, config): ms, ratio to FlashInfer, rel. difference of o to the default config's o.
+    Returns a list of dicts (shape, config, ms, ...) for JSON dumps.
+    """
+    import sys
+
+    from gdn.ops import chunk_gated_delta_rule
+
+    out = file or sys.stdout
+    shapes = shapes or TARGET_SHAPES
+    configs = configs if configs is not None else bench_configs()
+    results = []
+    dev = torch.device(device)
+    for (B, T, H, HV, fi_ms) in shapes:
+        torch.manual_seed(0)
+        q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+        v = torch.randn(B, T, HV, V, device=dev, dtype=torch.bfloat16)
+        g = -torch.rand(B, T, HV, device=dev) * 0.5 - 0.01
+        beta = torch.rand(B, T, HV, device=dev, dtype=torch.bfloat16)
+        if B > 1:  # FlashInfer's prefill is varlen: time the packed form
+            cu = torch.arange(0, B * T + 1, T, device=dev, dtype=torch.int32)
+            q, k, v, g, beta = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, g, beta))
+        else:
+            cu = None
+        h0 = torch.randn(B, HV, K, V, device=dev) * 0.1
+        ref_o = None
+        for cfg in configs:
+            try:
+                with config_override(**cfg):
+                    def fn():
+                        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                                      cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+                    o, _ = fn()
+                    ms = _time_ms(fn, iters=iters)
+                    row = dict(shape=f"{B}x{T} {H}/{HV}", config=cfg, ms=ms, vs_flashinfer=ms / fi_ms)
+                    if stages:
+                        row.update(_stage_times(q, k, v, g, beta, h0, cu, iters))
+            except Exception as e:  # a config that does not compile / fit
+                print(f"{B}x{T} {H}/{HV}  {json.dumps(cfg)}  FAILED: {type(e).__name__}: {e}"[:300], file=out)
+                continue
+            if ref_o is None:
+                ref_o = o.float()
+            diff = ((o.float() - ref_o).norm() / ref_o.norm()).item()
+            row["diff_vs_default"] = diff
+            results.append(row)
+            extra = "  ".join(f"{k_}={v_:.3f}" for k_, v_ in row.items() if k_.startswith("t_"))
+            print(f"{row['shape']:>16}  {ms:8.3f} ms  x{ms / fi_ms:5.2f} FI  diff {diff:.1e}  {json.dumps(cfg)}  {extra}",
+                  file=out, flush=True)
+    return results
+
+
+def _stage_times(q, k, v, g, beta, h0, cu, iters):
+    """ms of prepare / state pass / output for the current config (default state mode)."""
+    B, T, H, K = q.shape
+    ci = prepare_chunk_indices(cu, T, CHUNK_SIZE, B, device=q.device)
+    dt = _dot_dtype(k, v)
+    from_ainv = CONFIG["state_mode"] == "ainv"
+    prep = lambda: chunk_fwd_prepare(k, v, g, beta, cu, CHUNK_SIZE, True, store_ainv=from_ainv,  # noqa: E731
+                                     store_wu=not from_ainv, chunk_index=ci, ainv_dtype=dt)
+    g_cum, ainv, w, u = prep()
+    hd = torch.float32 if CONFIG["h_dtype"] == "fp32" else dt
+    state = lambda: chunk_state_pass(k, w, u, g_cum, h0, True, cu, CHUNK_SIZE, True, v=v if from_ainv else None,  # noqa
+                                     beta=beta if from_ainv else None, ainv=ainv, h_dtype=hd, chunk_index=ci)
+    h, v_new, _ = state()
+    outp = lambda: chunk_output(q, k, v_new, h, g_cum, K ** -0.5, cu, CHUNK_SIZE, True, out_dtype=v.dtype,  # noqa
+                                chunk_index=ci)
+    return dict(t_prepare=_time_ms(prep, iters=iters), t_state=_time_ms(state, iters=iters),
+                t_output=_time_ms(outp, iters=iters))
+
+
+def _main(argv=None):
+    import argparse
+
+    p = argparse.ArgumentParser(description="sweep chunk_gated_delta_rule forward configs on the GPU")
+    p.add_argument("--quick", action="store_true", help="only the default config")
+    p.add_argument("--stages", action="store_true", help="also time prepare / state / output separately")
+    p.add_argument("--shapes", default=None, help="e.g. 1x8192:16/32,4x4096:16/32")
+    p.add_argument("--configs", default=None, help="JSON list of config dicts (default: bench_configs())")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--json", default=None, help="write the results here")
+    a = p.parse_args(argv)
+    shapes = None
+    if a.shapes:
+        fi = {(b, t, h, hv): ms for b, t, h, hv, ms in TARGET_SHAPES}
+        shapes = []
+        for item in a.shapes.split(","):
+            bt, heads = item.split(":")
+            b, t = (int(x) for x in bt.split("x"))
+            h, hv = (int(x) for x in heads.split("/"))
+            shapes.append((b, t, h, hv, fi.get((b, t, h, hv), float("nan"))))
+    configs = [{}] if a.quick else (json.loads(a.configs) if a.configs else None)
+    res = sweep(shapes, configs, iters=a.iters, stages=a.stages)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,430 @@
+"""chunk_gated_delta_rule forward (Triton kernels; Triton's interpreter on CPU) against the float64 references.
+
+Shapes are tiny: the interpreter runs every program in Python. Each test touches a handful of (chunk, head) pairs.
+"""
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from gdn.ops import chunk_gated_delta_rule
+from gdn.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref, sequence_spans
+from gdn.testing import make_inputs, rel_err, to64
+
+TOL = {torch.float32: 2e-3, torch.bfloat16: 1.5e-2, torch.float16: 1e-2}
+C = 64
+
+
+@pytest.fixture(autouse=True)
+def _poison_and_triton(monkeypatch):
+    """Every buffer the kernels' launch functions allocate starts as NaN, and the Triton path is used."""
+    monkeypatch.setenv("GDN_BACKEND", "triton")
+    from gdn.kernels import chunk_fwd
+
+    with chunk_fwd.config_override(debug_poison=True):
+        yield
+
+
+def _refs(x, scale=None, h0=None, cu=None, l2=False, layout="v_last", beta=True, recurrent=False):
+    q, k, v, g, b = to64(x.q, x.k, x.v, x.g, x.beta)
+    h0 = None if h0 is None else h0.detach().to(torch.float64)
+    fn = recurrent_gated_delta_rule_ref if recurrent else chunk_gated_delta_rule_ref
+    return fn(q, k, v, g, b if beta else None, scale, h0, True, cu, l2, state_layout=layout)
+
+
+def _state(N, HV, K, V, layout, dtype=torch.float32):
+    shape = (N, HV, K, V) if layout == "v_last" else (N, HV, V, K)
+    return (torch.randn(shape) * 0.5).to(dtype)
+
+
+def _check(o, ht, ro, rht, dtype, what=""):
+    tol = TOL[dtype]
+    eo = rel_err(o, ro)
+    assert eo <= tol, f"{what} output rel err {eo:.2e} > {tol}"
+    if rht is not None:
+        assert ht is not None and ht.dtype == torch.float32
+        eh = rel_err(ht, rht)
+        assert eh <= tol, f"{what} final state rel err {eh:.2e} > {tol}"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# basic agreement, both references
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("l2", [False, True])
+def test_matches_chunk_and_recurrent_reference(l2):
+    B, T, H, HV, K, V = 2, 70, 1, 2, 32, 32
+    x = make_inputs(B, T, H, HV, K, V, normalize_qk=not l2)
+    h0 = _state(B, HV, K, V, "v_last")
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=l2)
+    assert o.shape == (B, T, HV, V) and o.dtype == x.v.dtype
+    for rec in (False, True):
+        ro, rht = _refs(x, h0=h0, l2=l2, recurrent=rec)
+        _check(o, ht, ro, rht, torch.float32, "recurrent" if rec else "chunk")
+
+
+@pytest.mark.parametrize("ratio,layout", [(1, "k_last"), (2, "v_last"), (4, "k_last")])
+def test_gva_and_layouts(ratio, layout):
+    B, T, H, K, V = 1, 40, 1, 32, 16
+    HV = H * ratio
+    x = make_inputs(B, T, H, HV, K, V)
+    h0 = _state(B, HV, K, V, layout)
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, scale=0.3, initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, state_layout=layout)
+    assert ht.shape == h0.shape and ht.is_contiguous()
+    ro, rht = _refs(x, scale=0.3, h0=h0, l2=True, layout=layout)
+    _check(o, ht, ro, rht, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_inputs(dtype):
+    B, T, H, HV, K, V = 1, 100, 1, 2, 64, 32
+    x = make_inputs(B, T, H, HV, K, V, dtype=dtype)
+    h0 = _state(B, HV, K, V, "v_last", dtype=dtype)  # bf16/fp16 initial state, fp32 final
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)
+    assert o.dtype == dtype and ht.dtype == torch.float32
+    ro, rht = _refs(x, h0=h0, l2=True)
+    _check(o, ht, ro, rht, dtype)
+
+
+def test_non_power_of_two_head_dims():
+    B, T, H, HV, K, V = 1, 65, 1, 1, 80, 48
+    x = make_inputs(B, T, H, HV, K, V)
+    h0 = _state(B, HV, K, V, "k_last")
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, state_layout="k_last")
+    ro, rht = _refs(x, h0=h0, l2=True, layout="k_last")
+    _check(o, ht, ro, rht, torch.float32)
+
+
+def test_no_initial_state_no_final_beta_none():
+    B, T, H, HV, K, V = 1, 30, 2, 2, 16, 16
+    x = make_inputs(B, T, H, HV, K, V, normalize_qk=True)
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, None)
+    assert ht is None
+    ro, _ = _refs(x, beta=False)
+    _check(o, None, ro, None, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# gates at the extremes
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("g_range,beta_range", [((-30.0, -29.0), (0.99, 1.0)), ((0.0, 0.0), (0.0, 0.01)),
+                                                ((0.0, 0.0), (0.99, 1.0))])
+def test_extreme_gates(g_range, beta_range):
+    B, T, H, HV, K, V = 1, 80, 1, 1, 32, 32
+    x = make_inputs(B, T, H, HV, K, V, g_range=g_range, beta_range=beta_range)
+    h0 = _state(B, HV, K, V, "v_last")
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    ro, rht = _refs(x, h0=h0, l2=True, recurrent=True)
+    _check(o, ht, ro, rht, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# varlen
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["v_last", "k_last"])
+def test_varlen_ragged(layout):
+    lens = [0, 1, C - 1, C, C + 1]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    T = int(cu[-1])
+    N, H, HV, K, V = len(lens), 1, 2, 32, 16
+    x = make_inputs(1, T, H, HV, K, V)
+    h0 = _state(N, HV, K, V, layout)
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                   cu_seqlens=cu, use_qk_l2norm_in_kernel=True, state_layout=layout)
+    ro, rht = _refs(x, h0=h0, cu=cu, l2=True, layout=layout)
+    _check(o, ht, ro, rht, torch.float32)
+    # the empty sequence's final state is its initial state
+    assert torch.allclose(ht[0], h0[0])
+
+
+def test_varlen_int64_cu_seqlens_no_state():
+    cu = torch.tensor([0, 5, 75], dtype=torch.int64)
+    x = make_inputs(1, 75, 1, 1, 16, 16)
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, output_final_state=True, cu_seqlens=cu)
+    ro, rht = _refs(x, cu=cu)
+    _check(o, ht, ro, rht, torch.float32)
+
+
+def test_empty_batch():
+    x = make_inputs(2, 0, 1, 1, 16, 16)
+    h0 = _state(2, 1, 16, 16, "v_last")
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True)
+    assert o.shape == (2, 0, 1, 16)
+    assert torch.equal(ht, h0)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# state pools
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pool_dtype,layout,segment,fuse", [(torch.float32, "v_last", None, False),
+                                                            (torch.bfloat16, "k_last", None, True),
+                                                            (torch.float32, "k_last", 1, False),
+                                                            (torch.bfloat16, "v_last", 2, True)])
+def test_state_pool(pool_dtype, layout, segment, fuse):
+    from gdn.kernels import chunk_fwd
+
+    lens = [C + 3, 5, 0, 20]
+    idx = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    T = int(cu[-1])
+    N, P, H, HV, K, V = len(lens), 6, 1, 2, 16, 16
+    in_dtype = torch.bfloat16 if fuse else torch.float32  # the fused output path is taken for half inputs
+    x = make_inputs(1, T, H, HV, K, V, dtype=in_dtype)
+    pool = _state(P, HV, K, V, layout, dtype=pool_dtype)
+    before = pool.clone()
+    with chunk_fwd.config_override(segment_chunks=segment or 0, fuse_output=fuse):
+        o, fin = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
+                                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True, state_layout=layout,
+                                        ssm_state_indices=idx)
+    assert fin is pool
+    # reference: gather rows (padding -> zeros), run, compare
+    valid = idx >= 0
+    h0 = torch.zeros((N,) + tuple(pool.shape[1:]))
+    h0[valid] = before[idx[valid].long()].float()
+    ro, rht = _refs(x, h0=h0, cu=cu, l2=True, layout=layout)
+    spans = sequence_spans(1, T, cu)
+    for n, (_, s, e) in enumerate(spans):
+        if idx[n] < 0:
+            assert torch.equal(o[0, s:e], torch.zeros_like(o[0, s:e])), "padding sequence output must be zeros"
+            ro[0, s:e] = 0
+    assert rel_err(o, ro) <= TOL[in_dtype]
+    tol_state = 2e-3 if pool_dtype == torch.float32 and in_dtype == torch.float32 else 1.5e-2
+    for n in range(N):
+        if idx[n] >= 0:
+            assert rel_err(pool[int(idx[n])], rht[n]) <= tol_state
+    untouched = [r for r in range(P) if r not in idx.tolist()]
+    assert torch.equal(pool[untouched], before[untouched]), "rows not named by ssm_state_indices must be untouched"
+
+
+def test_state_pool_without_final_still_writes_back():
+    x = make_inputs(1, 10, 1, 1, 16, 16)
+    pool = _state(3, 1, 16, 16, "v_last")
+    before = pool.clone()
+    idx = torch.tensor([1], dtype=torch.int64)
+    o, fin = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, ssm_state_indices=idx)
+    assert fin is None
+    _, rht = _refs(x, h0=before[1:2])
+    assert rel_err(pool[1:2], rht) <= 2e-3
+    assert torch.equal(pool[0], before[0]) and torch.equal(pool[2], before[2])
+
+
+def test_torch_backend_pool_matches(monkeypatch):
+    lens = [7, 3]
+    cu = torch.tensor([0, 7, 10], dtype=torch.int32)
+    idx = torch.tensor([-1, 2], dtype=torch.int32)
+    x = make_inputs(1, 10, 1, 2, 16, 16)
+    pool = _state(3, 2, 16, 16, "v_last")
+    pool_t = pool.clone()
+    o, _ = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, cu_seqlens=cu,
+                                  ssm_state_indices=idx)
+    monkeypatch.setenv("GDN_BACKEND", "torch")
+    o_t, fin_t = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool_t, cu_seqlens=cu,
+                                        ssm_state_indices=idx, output_final_state=True)
+    assert fin_t is pool_t
+    assert torch.equal(o_t[0, :lens[0]], torch.zeros_like(o_t[0, :lens[0]]))
+    assert rel_err(o, o_t) <= 2e-3 and rel_err(pool, pool_t) <= 2e-3
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# strided q/k/v read in place
+# ----------------------------------------------------------------------------------------------------------------------
+def test_strided_packed_qkv():
+    B, T, H, HV, K, V = 2, 33, 1, 2, 16, 32
+    x = make_inputs(B, T, H, HV, K, V)
+    packed = torch.cat([x.q.flatten(2), x.k.flatten(2), x.v.flatten(2)], dim=-1)  # [B, T, 2HK + HV V]
+    q = packed[..., :H * K].unflatten(-1, (H, K))
+    k = packed[..., H * K:2 * H * K].unflatten(-1, (H, K))
+    v = packed[..., 2 * H * K:].unflatten(-1, (HV, V))
+    assert not q.is_contiguous() and not v.is_contiguous()
+    gb = torch.stack([x.g.double(), x.beta.double()], dim=-1)  # strided (and float64) g / beta as well
+    g, beta = gb[..., 0], gb[..., 1]
+    o, ht = chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ro, rht = _refs(x, l2=True)
+    _check(o, ht, ro, rht, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# segmented state pass (long sequences split over SMs), forced at small sizes
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seg", [1, 2])
+def test_forced_segments(seg):
+    from gdn.kernels import chunk_fwd
+
+    lens = [4 * C + 9, 3, 2 * C]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    T = int(cu[-1])
+    N, H, HV, K, V = len(lens), 1, 1, 32, 16
+    x = make_inputs(1, T, H, HV, K, V)
+    h0 = _state(N, HV, K, V, "k_last")
+    with chunk_fwd.config_override(segment_chunks=seg):
+        o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True, state_layout="k_last")
+    ro, rht = _refs(x, h0=h0, cu=cu, l2=True, layout="k_last")
+    _check(o, ht, ro, rht, torch.float32)
+
+
+def test_segment_env_var_forces(monkeypatch):
+    from gdn.kernels import chunk_fwd
+
+    saved = dict(chunk_fwd.CONFIG)
+    try:
+        monkeypatch.setenv("GDN_CHUNK_SEGMENT", "2")
+        monkeypatch.setenv("GDN_CHUNK_CONFIG", '{"state_BV": 16}')
+        chunk_fwd._apply_env_config()
+        assert chunk_fwd.CONFIG["segment_chunks"] == 2 and chunk_fwd.CONFIG["state_BV"] == 16
+        x = make_inputs(1, 3 * C, 1, 1, 16, 32)
+        o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, output_final_state=True)
+        ro, rht = _refs(x)
+        _check(o, ht, ro, rht, torch.float32)
+    finally:
+        chunk_fwd.CONFIG.clear()
+        chunk_fwd.CONFIG.update(saved)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the forward intermediates (used by the backward for recompute)
+# ----------------------------------------------------------------------------------------------------------------------
+def test_intermediates():
+    from gdn.kernels import chunk_fwd as cf
+
+    lens = [C + 5, 20]
+    cu = torch.tensor([0, C + 5, C + 25], dtype=torch.int32)
+    T = C + 25
+    H, HV, K, V = 1, 2, 16, 16
+    x = make_inputs(1, T, H, HV, K, V)
+    g_cum = cf.chunk_local_cumsum(x.g, 64, cu)
+    ref = torch.zeros_like(g_cum)
+    for s, e in ((0, C), (C, C + 5), (C + 5, T)):
+        ref[0, s:e] = x.g[0, s:e].cumsum(0)
+    assert torch.allclose(g_cum, ref, atol=1e-5)
+    ainv = cf.chunk_scaled_dot_kkt_solve(x.k, g_cum, x.beta, cu, 64, True)
+    # check one chunk explicitly: (I + A) @ Ainv == I
+    kk = x.k[0, :C, 0] / x.k[0, :C, 0].norm(dim=-1, keepdim=True)
+    for hv in range(HV):
+        gc = g_cum[0, :C, hv]
+        A = (x.beta[0, :C, hv, None] * torch.exp(gc[:, None] - gc[None, :]).tril() * (kk @ kk.T)).tril(-1)
+        assert torch.allclose((torch.eye(C) + A) @ ainv[0, :C, hv], torch.eye(C), atol=1e-4)
+    assert torch.equal(ainv[0, C:C + 5, :, 5:], torch.zeros_like(ainv[0, C:C + 5, :, 5:]))
+    g2, a2, w, u = cf.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True)
+    w2, u2 = cf.recompute_w_u(x.k, x.v, x.beta, ainv, g_cum, cu, 64, True)
+    assert rel_err(w2, w) < 1e-5 and rel_err(u2, u) < 1e-5 and rel_err(a2, ainv) < 1e-6
+    h, v_new, ht = cf.chunk_state_pass(x.k, w, u, g_cum, None, True, cu, 64, True)
+    assert h.shape == (3, HV, K, V) and h.dtype == torch.float32 and v_new.shape == (1, T, HV, V)
+    # chunk starts: h of the first chunk of each sequence is zero; the second chunk of sequence 0 starts from the
+    # recurrent state after C tokens
+    assert torch.equal(h[0], torch.zeros_like(h[0])) and torch.equal(h[2], torch.zeros_like(h[2]))
+    q64, k64, v64, g64, b64 = to64(x.q, x.k, x.v, x.g, x.beta)
+    _, s_c = recurrent_gated_delta_rule_ref(q64[:, :C], k64[:, :C], v64[:, :C], g64[:, :C], b64[:, :C], None, None,
+                                            True, None, True)
+    assert rel_err(h[1], s_c[0]) < 2e-3
+    o = cf.chunk_output(x.q, x.k, v_new, h, g_cum, K ** -0.5, cu, 64, True)
+    ro, rht = _refs(x, cu=cu, l2=True)
+    _check(o, ht, ro, rht, torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# autograd plumbing (the backward kernels live in chunk_bwd.py)
+# ----------------------------------------------------------------------------------------------------------------------
+def test_forward_under_autograd():
+    x = make_inputs(1, 20, 1, 1, 16, 16)
+    q = x.q.clone().requires_grad_()
+    h0 = _state(1, 1, 16, 16, "k_last").requires_grad_()
+    o, ht = chunk_gated_delta_rule(q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                   state_layout="k_last")
+    assert o.requires_grad and ht.requires_grad and ht.shape == h0.shape
+    ro, rht = _refs(x, h0=h0, layout="k_last")
+    _check(o, ht, ro, rht, torch.float32)
+    if importlib.util.find_spec("gdn.kernels.chunk_bwd") is None:
+        with pytest.raises(NotImplementedError):
+            (o.sum() + ht.sum()).backward()
+
+
+def test_pool_with_grad_rejected():
+    x = make_inputs(1, 8, 1, 1, 16, 16)
+    pool = _state(2, 1, 16, 16, "v_last")
+    before = pool.clone()
+    q = x.q.clone().requires_grad_()
+    with pytest.raises(ValueError, match="ssm_state_indices"):
+        chunk_gated_delta_rule(q, x.k, x.v, x.g, x.beta, initial_state=pool,
+                               ssm_state_indices=torch.tensor([0], dtype=torch.int32))
+    assert torch.equal(pool, before)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# bad input: ValueError / TypeError naming the argument, buffers untouched
+# ----------------------------------------------------------------------------------------------------------------------
+def _bad_cases():
+    x = make_inputs(1, 8, 2, 4, 16, 16)
+    q, k, v, g, b = x.q, x.k, x.v, x.g, x.beta
+    pool = torch.randn(3, 4, 16, 16)
+    idx = torch.tensor([0], dtype=torch.int32)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    return pool, [
+        ("q", ValueError, dict(q=q[0])),
+        ("k", ValueError, dict(k=k[:, :, :1])),
+        ("k", TypeError, dict(k=k.to(torch.bfloat16))),
+        ("v", ValueError, dict(v=v[:, :, :3])),
+        ("v", TypeError, dict(v=v.to(torch.int32))),
+        ("g", ValueError, dict(g=g[..., :2])),
+        ("beta", TypeError, dict(beta=b.to(torch.int64))),
+        ("q", ValueError, dict(q=q.transpose(-1, -2).contiguous().transpose(-1, -2))),
+        ("cu_seqlens", ValueError, dict(cu_seqlens=torch.tensor([0, 3, 9], dtype=torch.int32))),
+        ("cu_seqlens", TypeError, dict(cu_seqlens=cu.float())),
+        ("chunk_size", ValueError, dict(chunk_size=32)),
+        ("state_layout", ValueError, dict(state_layout="kv")),
+        ("initial_state", ValueError, dict(initial_state=torch.randn(2, 4, 16, 16))),
+        ("initial_state", TypeError, dict(initial_state=torch.zeros(1, 4, 16, 16, dtype=torch.int32))),
+        ("ssm_state_indices", ValueError, dict(initial_state=pool, ssm_state_indices=torch.tensor([3]))),
+        ("ssm_state_indices", ValueError, dict(initial_state=pool, ssm_state_indices=torch.tensor([-2]))),
+        ("ssm_state_indices", ValueError, dict(initial_state=pool, ssm_state_indices=torch.tensor([0, 1]))),
+        ("initial_state", ValueError, dict(initial_state=None, ssm_state_indices=idx)),
+        ("scale", TypeError, dict(scale="x")),
+    ]
+
+
+def test_bad_inputs_raise_naming_argument():
+    pool, cases = _bad_cases()
+    before = pool.clone()
+    x = make_inputs(1, 8, 2, 4, 16, 16)
+    base = dict(q=x.q, k=x.k, v=x.v, g=x.g, beta=x.beta)
+    for name, exc, kw in cases:
+        args = dict(base)
+        args.update(kw)
+        with pytest.raises(exc, match=rf"^{name}:"):
+            chunk_gated_delta_rule(**args)
+    assert torch.equal(pool, before)
+
+
+def test_bad_heads_and_dims():
+    x = make_inputs(1, 8, 2, 3, 16, 16)
+    with pytest.raises(ValueError, match="^v:"):
+        chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta)
+    x = make_inputs(2, 8, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match="^cu_seqlens:"):
+        chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+    y = make_inputs(1, 2, 1, 1, 272, 16)
+    with pytest.raises(ValueError, match="^q:"):
+        chunk_gated_delta_rule(y.q, y.k, y.v, y.g, y.beta)
+
+
+@pytest.mark.parametrize("cfg", [dict(state_mode="wu", segment_chunks=1), dict(state_split_h=True, ainv_dtype="fp32"),
+                                 dict(fuse_output=True), dict(fuse_output=True, state_mode="wu", segment_chunks=2)])
+def test_state_pass_variants(cfg):
+    """The alternative state-pass formulations the GPU sweep may pick (w/u round trip, split h, fp32 Ainv)."""
+    from gdn.kernels import chunk_fwd
+
+    cu = torch.tensor([0, 2 * C + 3, 2 * C + 40], dtype=torch.int32)
+    T = int(cu[-1])
+    x = make_inputs(1, T, 1, 2, 16, 16, dtype=torch.bfloat16)
+    h0 = _state(2, 2, 16, 16, "v_last")
+    with chunk_fwd.config_override(**cfg):
+        o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    ro, rht = _refs(x, h0=h0, cu=cu, l2=True)
+    _check(o, ht, ro, rht, torch.bfloat16)
