@@ -93,7 +93,8 @@ def main():
             moved = 2 * state_bytes + B * (2 * H * K + 2 * HV * V) * 2
             row = dict(B=B, state_dtype=str(sd)[6:], n_buf=n_buf, bytes=moved, copy_GBps=copy_bw)
             for cfg in args.configs.split(","):
-                bv, w, ev, nl, stg = (cfg.split(":") + ["", "1", "1"])[:5]  # BV:warps[:evict[:nv_loop[:stages]]]
+                bv, w, ev, nl, stg, sc = (cfg.split(":") + ["", "1", "1", ""])[:6]  # BV:warps[:evict[:nv_loop[:stages[:store]]]]
+                os.environ["GDN_RECURRENT_STORE_CACHE"] = sc
                 os.environ["GDN_RECURRENT_BV"], os.environ["GDN_RECURRENT_WARPS"] = bv, w
                 os.environ["GDN_RECURRENT_EVICT"] = ev
                 os.environ["GDN_RECURRENT_NV_LOOP"], os.environ["GDN_RECURRENT_STAGES"] = nl or "1", stg or "1"
@@ -107,7 +108,7 @@ def main():
                     print("gdn", cfg, repr(e)[:300])
             os.environ.pop("GDN_RECURRENT_BV")
             os.environ.pop("GDN_RECURRENT_WARPS")
-            for key in ("GDN_RECURRENT_EVICT", "GDN_RECURRENT_NV_LOOP", "GDN_RECURRENT_STAGES"):
+            for key in ("GDN_RECURRENT_EVICT", "GDN_RECURRENT_NV_LOOP", "GDN_RECURRENT_STAGES", "GDN_RECURRENT_STORE_CACHE"):
                 os.environ.pop(key)
             calls = [lambda d=d: gated_delta_rule_decode(d["q"], d["k"], d["v"], d["state"], A_log, d["a"], dt_bias,
                                                          d["b"], use_qk_l2norm=True, output=d["out"]) for d in bufs]

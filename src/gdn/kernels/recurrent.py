@@ -69,7 +69,7 @@ def recurrent_gdn_fwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr, NV_LOOP: tl.constexpr,
     VARLEN: tl.constexpr, SINGLE: tl.constexpr, GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr,
     L2NORM: tl.constexpr, READ_MODE: tl.constexpr, IDX_2D: tl.constexpr, SPEC: tl.constexpr,
-    WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr, EVICT: tl.constexpr,
+    WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
 ):
     i_nh = tl.program_id(0)  # N * HV can pass 65535: keep it on the first grid axis
     i_vb = tl.program_id(1)  # this program's NV_LOOP tiles of BV value columns
@@ -151,7 +151,7 @@ def recurrent_gdn_fwd_kernel(
                          b_s.to(state_out.dtype.element_ty), mask=m_s)
             elif WRITE_MODE == 2:
                 tl.store(state_out + row_in * (HV * K * V) + head_off + o_s, b_s.to(state_out.dtype.element_ty),
-                         mask=m_s)
+                         mask=m_s, cache_modifier=STORE_CACHE)
             elif WRITE_MODE == 3 and SINGLE:
                 row_t = tl.load(idx + i_n.to(tl.int64) * s_idx).to(tl.int64)
                 if (row_t >= 0) & (row_t < P_out):
@@ -225,6 +225,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
         VARLEN=cu_seqlens is not None, SINGLE=single, GATE_RAW=gate_raw, BETA_MODE=beta_mode, L2NORM=bool(l2norm),
         READ_MODE=read_mode, IDX_2D=idx is not None and idx.dim() == 2, SPEC=num_accepted is not None,
         WRITE_MODE=write_mode, K_LAST=bool(k_last), EVICT=os.environ.get("GDN_RECURRENT_EVICT", ""),
+        STORE_CACHE=os.environ.get("GDN_RECURRENT_STORE_CACHE", ""),
         num_warps=warps, num_stages=stages,
     )
     return o
