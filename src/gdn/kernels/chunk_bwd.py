@@ -1,0 +1,761 @@
+r"""Backward pass of the chunked gated delta rule (Triton).
+
+Notation (one sequence, one value head, one chunk of C tokens; rows are tokens)
+------------------------------------------------------------------------------
+``Q = scale * qn``, ``K = kn`` (``qn``/``kn`` = q/k after the optional in-kernel L2 norm), ``V``, ``b`` = beta,
+``c`` = chunk-local cumulative log-gate (``c_r = g_1 + ... + g_r``), ``cL`` = ``c`` at the chunk's last position
+(padding tokens of a partial chunk have g = 0, so ``cL = c_{C-1}``), ``H`` = state entering the chunk ``[K, V]``,
+``Gm = dL/dH_next`` (gradient of the state leaving the chunk). Masks: ``Mc`` causal (i >= j), ``SL`` strictly lower.
+``Gam_ij = exp(c_i - c_j)`` on ``Mc`` (0 elsewhere; every exponent used anywhere is of a non-positive difference).
+
+Forward (recomputed, see ``gdn.reference.chunk_gated_delta_rule_ref``)::
+
+    A    = SL * diag(b) (Gam * K K^T)          Ainv = (I + A)^-1
+    Kb   = diag(b e^c) K,  Vb = diag(b) V,     W = Ainv Kb,  U = Ainv Vb
+    Vn   = U - W H                              (= Ainv X  with  X = Vb - Kb H)
+    O    = diag(e^c) Q H + (Q K^T * Gam) Vn
+    Hnext= e^cL H + (diag(e^(cL - c)) K)^T Vn
+
+Backward, derived by hand and checked piece by piece against float64 autograd
+(``tests/ops/test_chunk_bwd.py::test_math_prototype`` runs this exact algebra in torch):
+
+1. Reverse pass over chunks (sequential, state gradients in fp32; ``chunk_bwd_dh_kernel``)::
+
+       dVn  = (K Q^T * Gam^T) dO + diag(e^(cL - c)) K Gm          ("dv_local" + state part)
+       dH   = e^cL Gm + (diag(e^c) Q)^T dO - W^T dVn              (Gm of the previous chunk)
+
+   It stores ``Gm`` of every chunk and ``dVn``; the final ``dH`` is ``dh0``. It needs no forward state, so on
+   CUDA it runs on a side stream concurrently with the recomputation of the forward states H.
+
+2. Per chunk, fully parallel (``chunk_bwd_main_kernel``), with P-terms written without any transposed
+   register tensor::
+
+       dPm  = (dO Vn^T) * Gam            dPmT = (Vn dO^T) * Gam^T          (both from loaded tiles)
+       dQ   = diag(e^c) dO H^T + dPm K                                      (grad of scale*qn)
+       dKs  = diag(e^(cL - c)) Vn Gm^T   dK = dPmT Q + dKs + (WY terms below)
+       dc_i = Q_i.dQ_i - K_i.(dPmT Q + dKs)_i                               (gate terms of attention/state)
+       dcL  = e^cL <H, Gm> + sum(K * dKs)                                   (added at the last position)
+
+   WY / UT-transform backward. Because ``Vn = Ainv X`` the adjoints collapse to (``dU = dVn``,
+   ``dW = -dVn H^T``)::
+
+       dVb  = Ainv^T dVn                 dV = diag(b) dVb,   db += rowsum(dVb * V)
+       dKb  = Ainv^T dW = -dVb H^T       dK += diag(b e^c) dKb,  db += e^c rowsum(dKb*K),  dc += b e^c rowsum(dKb*K)
+       dA   = -Ainv^T dAinv Ainv^T = -dVb Vn^T    (dAinv = dVn X^T)
+       dA^T = -Vn dVbT,  dVbT = dVn^T Ainv          (computed, not transposed)
+       M    = SL * dA * diag(b) Gam,   M^T likewise from dA^T
+       dK  += (M + M^T) K,  db += rowsum(SL * dA * Gam * K K^T),  dc += rowsum(dA*A) - colsum(dA*A)
+
+   then ``dg`` = reverse cumulative sum of ``dc`` inside the chunk, ``dq = scale * dQ`` and, with the in-kernel L2
+   norm, ``dx = r (dy - y (y.dy))`` (``y = x r``, ``r = rsqrt(|x|^2 + 1e-6)``). GVA: one program owns a q/k head and
+   loops over its value heads, so dq/dk are summed in registers (no atomics, deterministic).
+
+Kernels (bwd): recompute of the forward intermediates (``gdn.kernels.chunk_fwd``: Ainv, w, states, v_new), then
+``chunk_bwd_dh_kernel`` (sequential in chunks, parallel over sequences x value heads x V blocks) and
+``chunk_bwd_main_kernel`` (parallel over chunks x q/k heads). Every register tile is fp32 (fp64 for fp64 inputs);
+tl.dot takes operands in the input dtype (bf16/fp16) with fp32 accumulation.
+
+Hopper / Triton 3.4-3.7.0 (fla-org/flash-linear-attention#640, #984): the miscompiles reported there are
+``tl.dot(tl.trans(x), y)`` where ``x`` is itself the (converted) result of a ``tl.dot`` (the wgmma accumulator
+layout transposed into a ``#linear`` layout, BK=64 tiling), and a large fused WY-backward kernel with BT=64 at
+num_warps=4. These kernels never call ``tl.trans`` on anything but a freshly loaded tile (a shared-memory view, the
+FlashAttention idiom); every transposed product of computed tensors (dPm^T, dA^T, dVb^T) is obtained as its own dot
+of loaded operands instead. The dot-heavy parallel part is one kernel per (chunk, k-head) without K tiling (BK = K).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+L2_EPS = 1e-6
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# kernels
+# ----------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def l2_rnorm_kernel(x, r, n_rows, T, s_b, s_t, s_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                    BR: tl.constexpr):
+    """r[b, t, h] = rsqrt(sum_k x[b, t, h, k]^2 + 1e-6) (fp32) for strided x [B, T, H, K]."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m = rows < n_rows
+    i_b = rows // (T * H)
+    i_t = (rows // H) % T
+    i_h = rows % H
+    o_k = tl.arange(0, BK)
+    b_x = tl.load(x + i_b[:, None] * s_b + i_t[:, None] * s_t + i_h[:, None] * s_h + o_k[None, :],
+                  mask=m[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+    tl.store(r + rows, tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6), mask=m)
+
+
+@triton.jit
+def _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C: tl.constexpr, VARLEN: tl.constexpr):
+    """(batch row, first token of the sequence in its row, flat token index of that token, sequence length,
+    chunk index inside the sequence) of global chunk i_t, all int64 except the length / chunk (int32)."""
+    if VARLEN:
+        i_n = tl.load(chunk_indices + 2 * i_t).to(tl.int64)
+        i_c = tl.load(chunk_indices + 2 * i_t + 1)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        L = (eos - bos).to(tl.int32)
+        row = tl.zeros([], dtype=tl.int64)
+        tok0 = bos
+    else:
+        NTs = tl.cdiv(T, C)
+        i_n = (i_t // NTs).to(tl.int64)
+        i_c = i_t % NTs
+        bos = tl.zeros([], dtype=tl.int64)
+        L = T
+        row = i_n
+        tok0 = i_n * T
+    return row, bos, tok0, L, i_c
+
+
+@triton.jit
+def chunk_bwd_dh_kernel(
+    q, k, w, gcum, do, rq, rk, x0, xend, gs, dvn, segments, chunk_offsets, cu_seqlens,
+    scale, T,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VC: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr, L2NORM: tl.constexpr, INIT: tl.constexpr, HAS_R: tl.constexpr,
+    STORE_STEPS: tl.constexpr, STORE_END: tl.constexpr, END_BY_SEG: tl.constexpr,
+    ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr,
+):
+    """Reverse pass over the chunks ``[c_beg, c_end)`` of one segment (row of ``segments`` = (sequence, c_beg,
+    c_end); a whole sequence when unsegmented) for one value head and one column block of the state gradient.
+
+    Per chunk (last to first): ``dVn = dv_local + Kdec G`` and ``G <- e^cL G + Qdec^T dO - W^T dVn``.
+    INIT: 0 zeros, 1 ``x0[sequence]`` (dht), 2 ``x0[segment]``, 3 identity (VC = K: the segment's K x K transition,
+    then HAS_R is False: no dO terms). STORE_STEPS: ``gs[chunk]`` <- G leaving the chunk, ``dvn`` <- dVn.
+    STORE_END: ``xend[segment if END_BY_SEG else sequence]`` <- G entering the first chunk (dh0 when unsegmented).
+    The k, q^T, w^T tiles are pure dot operands (the L2-norm factors rq/rk are precomputed vectors applied to rows or
+    columns of the small side), so the pipeliner can copy them asynchronously into shared memory.
+    """
+    DT = w.dtype.element_ty
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_s = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(segments + 3 * i_s).to(tl.int64)
+    c_beg = tl.load(segments + 3 * i_s + 1)
+    c_end = tl.load(segments + 3 * i_s + 2)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        L = (eos - bos).to(tl.int32)
+        row = tl.zeros([], dtype=tl.int64)
+        tok0 = bos
+    else:
+        bos = tl.zeros([], dtype=tl.int64)
+        L = T
+        row = i_n
+        tok0 = i_n * T
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < VC
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_k[:, None] * VC + o_v[None, :]
+    causal_t = o_c[None, :] >= o_c[:, None]   # [i, j]: j >= i (transposed causal mask)
+
+    if INIT == 3:
+        b_dh = tl.where((o_k[:, None] == o_v[None, :]) & m_s, 1.0, 0.0).to(ACC)
+    else:
+        b_dh = tl.zeros([BK, BV], dtype=ACC)
+    if INIT == 1:
+        b_dh += tl.load(x0 + (i_n * HV + i_hv) * K * VC + o_s, mask=m_s, other=0.0).to(ACC)
+    if INIT == 2:
+        b_dh += tl.load(x0 + (i_s.to(tl.int64) * HV + i_hv) * K * VC + o_s, mask=m_s, other=0.0).to(ACC)
+
+    for it in range(0, c_end - c_beg):
+        i_t = c_end - 1 - it
+        t = i_t * C + o_c
+        m_t = t < L
+        n_last = tl.minimum(L - i_t * C, C) - 1
+        tok = tok0 + t                       # flat token index (int64) for contiguous [B*T, ...] tensors
+        st = (bos + t).to(tl.int64)          # token index inside batch row ``row`` for strided q/k/do
+        if STORE_STEPS:
+            tl.store(gs + ((c0 + i_t) * HV + i_hv) * K * VC + o_s, b_dh.to(gs.dtype.element_ty), mask=m_s)
+
+        b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+        b_gl = tl.sum(tl.where(o_c == n_last, b_gc, 0.0), axis=0)
+        b_gc = tl.where(m_t, b_gc, b_gl)    # padding rows of a partial chunk carry the last cumulative gate
+
+        b_k = tl.load(k + row * s_kb + st[:, None] * s_kt + i_h * s_kh + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_wt = tl.load(w + (tok[None, :] * HV + i_hv) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+                       other=0.0)                                              # w^T [BK, C], loaded transposed
+        b_fk = tl.exp(b_gl - b_gc)                                             # k_i -> e^(cL - c_i) kn_i
+        if L2NORM:
+            b_rk = tl.load(rk + (tok0 + t) * H + i_h, mask=m_t, other=0.0)
+            b_fk = b_fk * b_rk
+        b_dv = tl.dot(b_k.to(MM), b_dh.to(DT).to(MM), input_precision=PREC, out_dtype=ACC) * b_fk[:, None]
+        if HAS_R:
+            b_qt = tl.load(q + row * s_qb + st[None, :] * s_qt + i_h * s_qh + o_k[:, None],
+                           mask=m_k[:, None] & m_t[None, :], other=0.0)           # q^T [BK, C], loaded transposed
+            b_fq = tl.exp(b_gc) * scale                                        # q_j -> scale e^(c_j) qn_j
+            b_fkq = tl.zeros([C], dtype=ACC) + scale
+            if L2NORM:
+                b_rq = tl.load(rq + (tok0 + t) * H + i_h, mask=m_t, other=0.0)
+                b_fq = b_fq * b_rq
+                b_fkq = b_fkq * b_rk
+            else:
+                b_rq = tl.zeros([C], dtype=ACC) + 1.0
+            b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :],
+                           mask=m_t[:, None] & m_v[None, :], other=0.0)
+            # dv_local = (K Q^T * Gam^T) dO: [i, j] = kn_i . qn_j * scale * exp(c_j - c_i), j >= i
+            b_kq = tl.dot(b_k.to(MM), b_qt.to(MM), input_precision=PREC, out_dtype=ACC)
+            b_kq = tl.where(causal_t, b_kq * tl.exp(tl.where(causal_t, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0)
+            b_kq = b_kq * b_fkq[:, None] * b_rq[None, :]
+            b_dv += tl.dot(b_kq.to(DT).to(MM), b_do.to(DT).to(MM), input_precision=PREC, out_dtype=ACC)
+        b_dv = b_dv.to(DT)
+        if STORE_STEPS:
+            tl.store(dvn + (tok[:, None] * HV + i_hv) * VC + o_v[None, :], b_dv.to(dvn.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
+        b_dh = b_dh * tl.exp(b_gl)
+        if HAS_R:
+            b_dod = (b_do.to(ACC) * b_fq[:, None]).to(DT).to(MM)                 # (diag(f) Q)^T dO = Q^T (f dO)
+            b_dh += tl.dot(b_qt.to(MM), b_dod, input_precision=PREC, out_dtype=ACC)
+        b_dh -= tl.dot(b_wt.to(MM), b_dv.to(MM), input_precision=PREC, out_dtype=ACC)
+
+    if STORE_END:
+        if END_BY_SEG:
+            tl.store(xend + (i_s.to(tl.int64) * HV + i_hv) * K * VC + o_s, b_dh.to(xend.dtype.element_ty), mask=m_s)
+        else:
+            tl.store(xend + (i_n * HV + i_hv) * K * VC + o_s, b_dh.to(xend.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def chunk_bwd_dh_merge_kernel(
+    dht, dh0, trans, rloc, xin, seg_offsets,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr, PREC: tl.constexpr,
+):
+    """Segmented reverse pass, step 3 (sequential over the segments of one sequence, last to first):
+    ``xin[s]`` <- X (gradient of the state leaving segment s), ``X <- P_s X + R_s``; finally ``dh0`` <- X."""
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_n = tl.program_id(2).to(tl.int64)
+    s_beg = tl.load(seg_offsets + i_n)
+    s_end = tl.load(seg_offsets + i_n + 1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_s = m_k[:, None] & (o_v < V)[None, :]
+    o_s = o_k[:, None] * V + o_v[None, :]
+    o_p = o_k[:, None] * K + o_k[None, :]
+    m_p = m_k[:, None] & m_k[None, :]
+    b_x = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_x += tl.load(dht + (i_n * HV + i_hv) * K * V + o_s, mask=m_s, other=0.0).to(tl.float32)
+    for it in range(0, s_end - s_beg):
+        i_s = (s_end - 1 - it).to(tl.int64)
+        tl.store(xin + (i_s * HV + i_hv) * K * V + o_s, b_x, mask=m_s)
+        b_p = tl.load(trans + (i_s * HV + i_hv) * K * K + o_p, mask=m_p, other=0.0)
+        b_r = tl.load(rloc + (i_s * HV + i_hv) * K * V + o_s, mask=m_s, other=0.0)
+        b_x = tl.dot(b_p, b_x, input_precision=PREC) + b_r
+    if HAS_DH0:
+        tl.store(dh0 + (i_n * HV + i_hv) * K * V + o_s, b_x.to(dh0.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def chunk_bwd_out_kernel(
+    q, k, gcum, vn, do, hs, gs, rq, rk, dq, dq_part, dk_part, dg_part,
+    cu_seqlens, chunk_indices, scale, T,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr,
+):
+    """Parallel part A, one chunk x one q/k head (its HV/H value heads in a loop): gradients through
+    ``O = diag(e^c) Q H + (Q K^T * Gam) Vn`` and ``Hnext = e^cL H + (diag(e^(cL - c)) K)^T Vn``.
+    Writes dq (final, after the L2-norm backward), d(kn) partial -> ``dk_part`` (fp32) and dg partial -> ``dg_part``.
+    The state-sized products run in K blocks of BKB rows; dq/dk accumulate over the value heads in the fp32 scratch
+    (cache resident, read-modify-write by the same program)."""
+    DT = vn.dtype.element_ty
+    GR: tl.constexpr = HV // H
+    i_t = tl.program_id(0)      # global chunk index (row of hs / gs)
+    i_h = tl.program_id(1)
+    row, bos, tok0, L, i_c = _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    t = i_c * C + o_c
+    m_t = t < L
+    n_valid = tl.minimum(L - i_c * C, C)
+    tok = tok0 + t
+    st = (bos + t).to(tl.int64)
+    m_tv = m_t[:, None] & m_v[None, :]
+    causal = o_c[:, None] >= o_c[None, :]
+    strict = o_c[:, None] > o_c[None, :]
+
+    if L2NORM:
+        b_rq = tl.load(rq + tok * H + i_h, mask=m_t, other=0.0)
+        b_rk = tl.load(rk + tok * H + i_h, mask=m_t, other=0.0)
+    else:
+        b_rq = tl.zeros([C], dtype=ACC) + 1.0
+        b_rk = tl.zeros([C], dtype=ACC) + 1.0
+    b_sq = b_rq * scale                          # row factor of Q = scale * qn
+    p_q = q + row * s_qb + st[:, None] * s_qt + i_h * s_qh
+    p_k = k + row * s_kb + st[:, None] * s_kt + i_h * s_kh
+    p_part = (tok[:, None] * H + i_h) * K
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+
+    for j in range(0, GR):
+        i_hv = i_h * GR + j
+        b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+        b_gl = tl.sum(tl.where(o_c == n_valid - 1, b_gc, 0.0), axis=0)
+        b_gc = tl.where(m_t, b_gc, b_gl)    # padding rows of a partial chunk carry the last cumulative gate
+        b_eg = tl.exp(b_gc)
+        b_egl = tl.exp(b_gl - b_gc)
+        b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :], mask=m_tv,
+                       other=0.0).to(DT).to(MM)
+        b_vn = tl.load(vn + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_tv, other=0.0).to(MM)
+
+        # C x C products (contractions over V and K); only loaded tiles are ever transposed
+        b_gam = tl.where(causal, tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
+        b_dpm = tl.dot(b_do, tl.trans(b_vn), input_precision=PREC, out_dtype=ACC) * b_gam     # (dO Vn^T) * Gam
+        b_qk = tl.dot(tl.load(p_q + o_k[None, :], mask=m_tk, other=0.0).to(MM),
+                      tl.trans(tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(MM)),
+                      input_precision=PREC, out_dtype=ACC)
+        b_p = tl.where(strict, b_dpm * b_qk * b_sq[:, None] * b_rk[None, :], 0.0)   # the diagonal cancels exactly
+        b_dc = tl.sum(b_p, axis=1) - tl.sum(b_p, axis=0)
+        b_dpm = (b_dpm * b_rk[None, :]).to(DT).to(MM)
+        b_gamt = tl.where(strict, 0.0, tl.exp(tl.where(strict, 0.0, b_gc[None, :] - b_gc[:, None])))
+        b_dpmt = tl.dot(b_vn, tl.trans(b_do), input_precision=PREC, out_dtype=ACC) * b_gamt   # (Vn dO^T) * Gam^T
+        b_dpmt = (b_dpmt * b_sq[None, :]).to(DT).to(MM)
+
+        b_kdks = tl.zeros([C], dtype=ACC)
+        b_hg = tl.zeros([], dtype=ACC)
+        hoff = (i_t.to(tl.int64) * HV + i_hv) * K * V
+        for kb in tl.static_range(0, BK, BKB):
+            o_kb = kb + tl.arange(0, BKB)
+            m_kb = o_kb < K
+            m_tkb = m_t[:, None] & m_kb[None, :]
+            m_hb = m_kb[:, None] & m_v[None, :]
+            b_qb = tl.load(p_q + o_kb[None, :], mask=m_tkb, other=0.0)                # [C, BKB]
+            b_kb = tl.load(p_k + o_kb[None, :], mask=m_tkb, other=0.0)
+            b_hb = tl.load(hs + hoff + o_kb[:, None] * V + o_v[None, :], mask=m_hb, other=0.0)   # H rows kb
+            b_gb = tl.load(gs + hoff + o_kb[:, None] * V + o_v[None, :], mask=m_hb, other=0.0)   # Gm rows kb
+            b_hg += tl.sum(tl.sum(b_hb.to(ACC) * b_gb.to(ACC), axis=1), axis=0)
+            # dQ = diag(e^c) dO H^T + dPm K
+            b_dqb = tl.dot(b_do, tl.trans(b_hb.to(MM)), input_precision=PREC, out_dtype=ACC) * b_eg[:, None]
+            b_dc += tl.sum(b_qb.to(ACC) * b_dqb, axis=1) * b_sq
+            b_dqb = tl.dot(b_dpm, b_kb.to(MM), b_dqb, input_precision=PREC, out_dtype=ACC)
+            p_dqb = dq_part + p_part + o_kb[None, :]
+            b_dqb += tl.load(p_dqb, mask=m_tkb & (j > 0), other=0.0)
+            tl.store(p_dqb, b_dqb, mask=m_tkb)
+            # dK = diag(e^(cL - c)) Vn Gm^T + dPm^T Q
+            b_dkb = tl.dot(b_vn, tl.trans(b_gb.to(MM)), input_precision=PREC, out_dtype=ACC) * b_egl[:, None]
+            b_kdks += tl.sum(b_kb.to(ACC) * b_dkb, axis=1)
+            b_dkb = tl.dot(b_dpmt, b_qb.to(MM), b_dkb, input_precision=PREC, out_dtype=ACC)
+            p_dkb = dk_part + p_part + o_kb[None, :]
+            b_dkb += tl.load(p_dkb, mask=m_tkb & (j > 0), other=0.0)
+            tl.store(p_dkb, b_dkb, mask=m_tkb)
+        b_kdks = b_kdks * b_rk
+        # dg_t = sum_{s >= t} dc_s, with the state terms folded in exactly:
+        #   -k_s.dKs_s at s and +sum_s k_s.dKs_s at the last position  ->  sum_{s < t} k_s.dKs_s
+        b_dgv = tl.cumsum(b_dc, axis=0, reverse=True) + (tl.cumsum(b_kdks, axis=0) - b_kdks) + b_hg * tl.exp(b_gl)
+        tl.store(dg_part + tok * HV + i_hv, b_dgv, mask=m_t)
+
+    # d(qn) = scale * dQ, then the L2-norm backward dx = r (dy - y (y.dy)), y = x r
+    b_dq = tl.load(dq_part + p_part + o_k[None, :], mask=m_tk, other=0.0)
+    if L2NORM:
+        b_qf = tl.load(p_q + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        b_dq = b_sq[:, None] * (b_dq - b_qf * (tl.sum(b_qf * b_dq, axis=1) * b_rq * b_rq)[:, None])
+    else:
+        b_dq = b_dq * scale
+    tl.store(dq + p_part + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+
+
+@triton.jit
+def chunk_bwd_wy_kernel(
+    k, v, gcum, beta, ainv, vn, dvn, hs, rk, dk, dv, dbeta, dg, dk_part, dg_part,
+    cu_seqlens, chunk_indices, T,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr,
+):
+    """Parallel part B, one chunk x one q/k head: the WY / UT-transform backward
+    ``dVb = Ainv^T dVn, dKb = -dVb H^T, dA = -dVb Vn^T, dA^T = -(Vn dVn^T) Ainv``. Writes dv, dbeta, dg (= dg_part +
+    these terms) and dk (= dk_part + these terms, then the L2-norm backward)."""
+    DT = vn.dtype.element_ty
+    GR: tl.constexpr = HV // H
+    i_t = tl.program_id(0)
+    i_h = tl.program_id(1)
+    row, bos, tok0, L, i_c = _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = tl.arange(0, BV)
+    m_v = o_v < V
+    t = i_c * C + o_c
+    m_t = t < L
+    n_valid = tl.minimum(L - i_c * C, C)
+    tok = tok0 + t
+    st = (bos + t).to(tl.int64)
+    m_tv = m_t[:, None] & m_v[None, :]
+    m_cc = m_t[:, None] & (o_c < n_valid)[None, :]
+    m_cct = (o_c < n_valid)[:, None] & m_t[None, :]
+    causal = o_c[:, None] >= o_c[None, :]
+    strict = o_c[:, None] > o_c[None, :]
+    strict_t = o_c[:, None] < o_c[None, :]
+    if L2NORM:
+        b_rk = tl.load(rk + tok * H + i_h, mask=m_t, other=0.0)
+    else:
+        b_rk = tl.zeros([C], dtype=ACC) + 1.0
+    p_k = k + row * s_kb + st[:, None] * s_kt + i_h * s_kh
+    p_part = (tok[:, None] * H + i_h) * K
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+
+    for j in range(0, GR):
+        i_hv = i_h * GR + j
+        b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+        b_b = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+        b_gl = tl.sum(tl.where(o_c == n_valid - 1, b_gc, 0.0), axis=0)
+        b_gc = tl.where(m_t, b_gc, b_gl)
+        b_eg = tl.exp(b_gc)
+        p_tv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
+        b_dvn = tl.load(dvn + p_tv, mask=m_tv, other=0.0).to(MM)
+        b_vn = tl.load(vn + p_tv, mask=m_tv, other=0.0).to(MM)
+        b_ait = tl.load(ainv + (tok[None, :] * HV + i_hv) * C + o_c[:, None], mask=m_cct,
+                        other=0.0).to(DT).to(MM)                                     # Ainv^T, loaded transposed
+        b_dvb = tl.dot(b_ait, b_dvn, input_precision=PREC, out_dtype=ACC)            # dVb = Ainv^T dVn
+        tl.store(dv + p_tv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_v = tl.load(v + row * s_vb + st[:, None] * s_vt + i_hv * s_vh + o_v[None, :], mask=m_tv, other=0.0)
+        b_db = tl.sum(b_dvb * b_v.to(ACC), axis=1)
+        b_dvb = b_dvb.to(DT).to(MM)
+
+        # C x C: dA = -dVb Vn^T (strictly lower part), dA^T = -(Vn dVn^T) Ainv, A = SL * diag(b) (Gam * K K^T)
+        b_gam = tl.where(causal, tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
+        b_kk = tl.dot(tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(MM),
+                      tl.trans(tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(MM)),
+                      input_precision=PREC, out_dtype=ACC)
+        b_nda = tl.dot(b_dvb, tl.trans(b_vn), input_precision=PREC, out_dtype=ACC)     # -dA
+        b_dagk = tl.where(strict, b_nda * b_gam * b_kk * (b_rk[:, None] * b_rk[None, :]), 0.0)
+        b_db -= tl.sum(b_dagk, axis=1)
+        b_daa = b_dagk * b_b[:, None]                                                # -dA * A
+        b_dc = tl.sum(b_daa, axis=0) - tl.sum(b_daa, axis=1)
+        b_msym = tl.where(strict, b_nda * b_gam * b_b[:, None], 0.0)
+        b_vdv = tl.dot(b_vn, tl.trans(b_dvn), input_precision=PREC, out_dtype=ACC)   # Vn dVn^T
+        b_ai = tl.load(ainv + (tok[:, None] * HV + i_hv) * C + o_c[None, :], mask=m_cc, other=0.0).to(DT).to(MM)
+        b_ndat = tl.dot(b_vdv.to(DT).to(MM), b_ai, input_precision=PREC, out_dtype=ACC)  # -dA^T
+        b_gamt = tl.where(strict_t, tl.exp(tl.where(strict_t, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0)
+        b_msym += b_ndat * b_gamt * b_b[None, :]
+        b_msym = (b_msym * b_rk[None, :]).to(DT).to(MM)     # -(M + M^T) with kn = rk * k on the contraction side
+
+        b_kdkb = tl.zeros([C], dtype=ACC)
+        hoff = (i_t.to(tl.int64) * HV + i_hv) * K * V
+        for kb in tl.static_range(0, BK, BKB):
+            o_kb = kb + tl.arange(0, BKB)
+            m_kb = o_kb < K
+            m_tkb = m_t[:, None] & m_kb[None, :]
+            b_kb = tl.load(p_k + o_kb[None, :], mask=m_tkb, other=0.0)
+            b_hb = tl.load(hs + hoff + o_kb[:, None] * V + o_v[None, :], mask=m_kb[:, None] & m_v[None, :],
+                           other=0.0).to(MM)
+            b_ndkb = tl.dot(b_dvb, tl.trans(b_hb), input_precision=PREC, out_dtype=ACC)   # -dKb = dVb H^T
+            b_kdkb += tl.sum(b_kb.to(ACC) * b_ndkb, axis=1)
+            b_dkb = tl.dot(b_msym, b_kb.to(MM), b_ndkb * (b_b * b_eg)[:, None], input_precision=PREC, out_dtype=ACC)
+            p_dkb = dk_part + p_part + o_kb[None, :]
+            tl.store(p_dkb, tl.load(p_dkb, mask=m_tkb, other=0.0) - b_dkb, mask=m_tkb)
+        b_kdkb = b_kdkb * b_rk * b_eg
+        b_db -= b_kdkb
+        b_dc -= b_kdkb * b_b
+        b_dgv = tl.cumsum(b_dc, axis=0, reverse=True) + tl.load(dg_part + tok * HV + i_hv, mask=m_t, other=0.0)
+        tl.store(dg + tok * HV + i_hv, b_dgv.to(dg.dtype.element_ty), mask=m_t)
+        tl.store(dbeta + tok * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+
+    b_dk = tl.load(dk_part + p_part + o_k[None, :], mask=m_tk, other=0.0)
+    if L2NORM:
+        b_kf = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        b_dk = b_rk[:, None] * (b_dk - b_kf * (tl.sum(b_kf * b_dk, axis=1) * b_rk * b_rk)[:, None])
+    tl.store(dk + p_part + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# host side
+# ----------------------------------------------------------------------------------------------------------------------
+def _acc_dtype(dtype: torch.dtype):
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def _mm_dtype(dtype: torch.dtype):
+    """tl.dot operand dtype: the input dtype, except that Triton's CPU interpreter (3.6) computes bf16 dots wrongly,
+    so there the operands are rounded to bf16 and then multiplied in fp32."""
+    if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return tl.float32
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
+            torch.float64: tl.float64}[dtype]
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot input precision for fp32/fp64 operands (bf16/fp16 operands ignore it)."""
+    if dtype == torch.float32:
+        return os.environ.get("GDN_FP32_DOT", "ieee")
+    return "ieee"
+
+
+def _strides(x: torch.Tensor):
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def l2_rnorm(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, T, H] = rsqrt(sum(x^2) + 1e-6) over the last dim of a (strided) [B, T, H, K] tensor."""
+    B, T, H, K = x.shape
+    r = torch.empty(B, T, H, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
+    n = B * T * H
+    if n:
+        BR = 32
+        l2_rnorm_kernel[(triton.cdiv(n, BR),)](x, r, n, T, *_strides(x), H=H, K=K,
+                                               BK=max(16, triton.next_power_of_2(K)), BR=BR, num_warps=4)
+    return r
+
+
+def chunk_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], C: int, device):
+    """Chunk bookkeeping (``gdn.kernels.chunk_fwd.ChunkIndex``: N, NT, nchunks, chunk_indices [NT, 2] = (sequence,
+    chunk in sequence), chunk_offsets [N + 1]); reads ``cu_seqlens`` on the host once."""
+    from .chunk_fwd import prepare_chunk_indices
+
+    return prepare_chunk_indices(cu_seqlens, T, C, B, device=device)
+
+
+def _cfg(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _dh_config(V: int, n_prog: int, device):
+    """(BV, warps, stages) of the reverse pass. BV = 32 by default: the pass is latency bound, more V blocks give more
+    programs, and at K = 128 the BV = 64 variant spills on sm_90 (AOT: ~330 B/thread vs ~40 B)."""
+    bv = _cfg("GDN_BWD_DH_BV", 0)
+    if bv <= 0:
+        bv = min(32, max(16, triton.next_power_of_2(V)))
+    return bv, _cfg("GDN_BWD_DH_WARPS", 4), _cfg("GDN_BWD_DH_STAGES", 2)
+
+
+def _main_config(part: str):
+    """(num_warps, num_stages) of parallel kernel A / B (env GDN_BWD_{A,B}_WARPS / _STAGES). 4 warps: the chained
+    M = 64 dots get one warpgroup (Triton puts all warps along M for chained dots, 8 warps would duplicate)."""
+    return _cfg(f"GDN_BWD_{part}_WARPS", 4), _cfg(f"GDN_BWD_{part}_STAGES", 1)
+
+
+def _segment_len(N: int, nchunks, HV: int, nv: int, device, force: Optional[int]) -> Optional[int]:
+    """Chunks per segment of the segmented reverse pass, or None for the plain sequential pass.
+
+    ``force`` (or env ``GDN_BWD_SEGMENT``): -1 never, n > 0 segments of n chunks. Heuristic (CUDA only): segment
+    when fewer programs than SMs would run the plain pass and a sequence has >= 16 chunks, aiming at 2 programs per
+    SM and >= 8 chunks per segment."""
+    env = os.environ.get("GDN_BWD_SEGMENT", "").strip()
+    if force is None and env:
+        force = int(env)
+    if force is not None and force != 0:
+        return None if force < 0 else int(force)
+    if device.type != "cuda" or not nchunks:
+        return None
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    longest = max(nchunks)
+    if N * HV * nv >= sms or longest < 16:
+        return None
+    seg = max(8, -(-sum(nchunks) * HV * nv // (2 * sms)))
+    return None if seg >= longest else seg
+
+
+def _plan_segments(nchunks, seg_len: Optional[int], device):
+    rows, offs = [], [0]
+    for n, nc in enumerate(nchunks):
+        if seg_len is None or nc <= seg_len:
+            rows.append((n, 0, nc))
+        else:
+            rows += [(n, c, min(nc, c + seg_len)) for c in range(0, nc, seg_len)]
+        offs.append(len(rows))
+    segs = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3).to(device)
+    return len(rows), segs, torch.tensor(offs, dtype=torch.int32).to(device)
+
+
+def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, need_dh0,
+                 state_dtype=None, chunk_index=None, segment_chunks: Optional[int] = None, rq=None, rk=None):
+    """Reverse state-gradient pass (kernel 1 of the backward).
+
+    q, k [B, T, H, K] raw (strided ok), w [B, T, HV, K] (forward's w, its dtype is the dot operand dtype),
+    g_cum [B, T, HV] chunk-local cumsum, do [B, T, HV, V], dht None or [N, HV, K, V].
+    Returns ``(gs [NT, HV, K, V] (gradient of the state leaving each chunk, ``state_dtype``, default w's dtype),
+    dvn [B, T, HV, V] (dL/dv_new, w's dtype), dh0 [N, HV, K, V] fp32 or None)``.
+    ``segment_chunks``: None heuristic, -1 never, n > 0 split every sequence into segments of n chunks that run in
+    parallel (local pass + K x K transitions, a short sequential merge, then the final pass).
+    """
+    B, T, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    C = int(chunk_size)
+    dev = q.device
+    ci = chunk_index if chunk_index is not None else chunk_tables(B, T, cu_seqlens, C, dev)
+    sdt = state_dtype or w.dtype
+    acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
+    gs = torch.empty(ci.NT, HV, K, V, dtype=sdt, device=dev)
+    dvn = torch.empty(B, T, HV, V, dtype=w.dtype, device=dev)
+    dh0 = torch.empty(ci.N, HV, K, V, dtype=acc_t, device=dev) if need_dh0 else None
+    if ci.N == 0 or HV == 0:
+        return gs, dvn, dh0
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    if dht is not None:
+        dht = dht.contiguous()
+    g_cum = g_cum.contiguous()
+    l2 = bool(use_qk_l2norm_in_kernel)
+    if l2 and rq is None:
+        rq, rk = l2_rnorm(q), l2_rnorm(k)
+    BV, nw, ns = _dh_config(V, ci.N * HV, dev)
+    BK = max(16, triton.next_power_of_2(K))
+    seg = _segment_len(ci.N, ci.nchunks, HV, triton.cdiv(V, BV), dev, segment_chunks)
+    S, segments, seg_offsets = _plan_segments(ci.nchunks, seg, dev)
+    common = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None,
+                  L2NORM=l2, ACC=_acc_dtype(q.dtype), MM=_mm_dtype(w.dtype),
+                  PREC=_dot_precision(w.dtype), num_warps=nw, num_stages=ns)
+    args = (cu_seqlens, float(scale), T, *_strides(q), *_strides(k), *_strides(do))
+    if seg is None:
+        chunk_bwd_dh_kernel[(triton.cdiv(V, BV), HV, S)](
+            q, k, w, g_cum, do, rq, rk, dht, dh0, gs, dvn, segments, ci.chunk_offsets, *args,
+            VC=V, BV=BV, INIT=1 if dht is not None else 0, HAS_R=True, STORE_STEPS=True, STORE_END=need_dh0,
+            END_BY_SEG=False, **common)
+        return gs, dvn, dh0
+    # segmented: (1) local pass from zero and (2) K x K transition of every segment, in parallel over segments
+    rloc = torch.empty(S, HV, K, V, dtype=acc_t, device=dev)
+    trans = torch.empty(S, HV, K, K, dtype=acc_t, device=dev)
+    xin = torch.empty(S, HV, K, V, dtype=acc_t, device=dev)
+    chunk_bwd_dh_kernel[(triton.cdiv(V, BV), HV, S)](
+        q, k, w, g_cum, do, rq, rk, None, rloc, gs, dvn, segments, ci.chunk_offsets, *args,
+        VC=V, BV=BV, INIT=0, HAS_R=True, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True, **common)
+    BVK = min(BV, BK)
+    chunk_bwd_dh_kernel[(triton.cdiv(K, BVK), HV, S)](
+        q, k, w, g_cum, do, rq, rk, None, trans, gs, dvn, segments, ci.chunk_offsets, *args,
+        VC=K, BV=BVK, INIT=3, HAS_R=False, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True, **common)
+    # (3) sequential merge over segments (K x K times K x V per segment)
+    BVM = min(64, max(16, triton.next_power_of_2(V)))
+    chunk_bwd_dh_merge_kernel[(triton.cdiv(V, BVM), HV, ci.N)](
+        dht, dh0, trans, rloc, xin, seg_offsets, HV=HV, K=K, V=V, BK=BK, BV=BVM, HAS_DHT=dht is not None,
+        HAS_DH0=need_dh0, PREC="ieee" if acc_t == torch.float64 else os.environ.get("GDN_BWD_MERGE_DOT", "tf32x3"),
+        num_warps=8)
+    # (4) the final pass of every segment from its true end gradient, storing gs and dvn
+    chunk_bwd_dh_kernel[(triton.cdiv(V, BV), HV, S)](
+        q, k, w, g_cum, do, rq, rk, xin, None, gs, dvn, segments, ci.chunk_offsets, *args,
+        VC=V, BV=BV, INIT=2, HAS_R=True, STORE_STEPS=True, STORE_END=False, END_BY_SEG=True, **common)
+    return gs, dvn, dh0
+
+
+def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_seqlens, chunk_size,
+                   use_qk_l2norm_in_kernel, *, g_dtype=None, chunk_index=None, rq=None, rk=None):
+    """Parallel per-chunk gradients: kernel A (output/state terms: dq, partial dk and dg) then kernel B (WY terms:
+    dv, dbeta, dg, dk). Returns ``(dq, dk, dv, dbeta, dg)`` in the dtypes of q, k, v, beta and ``g_dtype`` (default
+    g_cum's). ``v_new``'s dtype is the dot operand dtype."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    C = int(chunk_size)
+    dev = q.device
+    ci = chunk_index if chunk_index is not None else chunk_tables(B, T, cu_seqlens, C, dev)
+    NT = ci.NT
+    dq = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
+    dk = torch.empty(B, T, H, K, dtype=k.dtype, device=dev)
+    dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    dbeta = torch.empty(B, T, HV, dtype=beta.dtype, device=dev)
+    dg = torch.empty(B, T, HV, dtype=g_dtype or g_cum.dtype, device=dev)
+    if NT == 0 or H == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), dbeta.zero_(), dg.zero_()
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    l2 = bool(use_qk_l2norm_in_kernel)
+    if l2 and rq is None:
+        rq, rk = l2_rnorm(q), l2_rnorm(k)
+    acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq_part = torch.empty(B, T, H, K, dtype=acc_t, device=dev)
+    dk_part = torch.empty(B, T, H, K, dtype=acc_t, device=dev)
+    dg_part = torch.empty(B, T, HV, dtype=acc_t, device=dev)
+    g_cum = g_cum.contiguous()
+    BK = max(16, triton.next_power_of_2(K))
+    meta = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BKB=min(BK, _cfg("GDN_BWD_BKB", 64)),
+                BV=max(16, triton.next_power_of_2(V)), VARLEN=cu_seqlens is not None, L2NORM=l2,
+                ACC=_acc_dtype(q.dtype), MM=_mm_dtype(v_new.dtype), PREC=_dot_precision(v_new.dtype))
+    nw, ns = _main_config("A")
+    chunk_bwd_out_kernel[(NT, H)](
+        q, k, g_cum, v_new, do, h, gs, rq, rk, dq, dq_part, dk_part, dg_part, cu_seqlens, ci.chunk_indices,
+        float(scale), T, *_strides(q), *_strides(k), *_strides(do), num_warps=nw, num_stages=ns, **meta)
+    nw, ns = _main_config("B")
+    chunk_bwd_wy_kernel[(NT, H)](
+        k, v, g_cum, beta.contiguous(), ainv.contiguous(), v_new, dvn, h, rk, dk, dv, dbeta, dg, dk_part, dg_part,
+        cu_seqlens, ci.chunk_indices, T, *_strides(k), *_strides(v), num_warps=nw, num_stages=ns, **meta)
+    return dq, dk, dv, dbeta, dg
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
+
+
+def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
+                               use_qk_l2norm_in_kernel, do, dht, *, g_cum=None, ainv=None, w=None, u=None,
+                               h=None, v_new=None, segment_chunks=None):
+    """Gradients of ``chunk_gated_delta_rule`` (v_last states). Returns ``(dq, dk, dv, dg, dbeta, dh0)``.
+
+    q, k [B, T, H, K] (strided, last dim contiguous); v [B, T, HV, V]; g, beta [B, T, HV]; initial_state None or
+    [N, HV, K, V]; do [B, T, HV, V]; dht None or [N, HV, K, V]. dq/dk are summed over each q/k head's value heads;
+    grads come back in the inputs' dtypes; dh0 is fp32 [N, HV, K, V], or None without initial_state.
+
+    Pipeline (4 kernels + the forward's prepare): ``chunk_fwd_prepare`` (g_cum, Ainv, w, u) -> the forward state pass
+    (h, v_new; on a side CUDA stream) concurrently with the reverse pass ``chunk_bwd_dh`` (needs only w and g_cum)
+    -> ``chunk_bwd_main``. Intermediates saved by the forward can be passed in (``g_cum``, ``ainv``, ``w``, ``u``,
+    ``h``, ``v_new``, as returned by gdn.kernels.chunk_fwd) to skip their recomputation.
+    ``segment_chunks``: reverse-pass segmentation (None heuristic, -1 off, n chunks per segment).
+    """
+    from . import chunk_fwd as F
+
+    B, T, H, K = q.shape
+    C = int(chunk_size)
+    l2 = bool(use_qk_l2norm_in_kernel)
+    dev = q.device
+    ci = F.prepare_chunk_indices(cu_seqlens, T, C, B, device=dev)
+    need_h = h is None or v_new is None
+    if g_cum is None or ainv is None or w is None or (need_h and u is None):
+        g_cum, ainv, w, u = F.chunk_fwd_prepare(k, v, g, beta, cu_seqlens, C, l2, store_ainv=True, store_wu=True,
+                                                chunk_index=ci)
+    h_dtype = h.dtype if h is not None else (torch.float32 if F.CONFIG["h_dtype"] == "fp32" else w.dtype)
+
+    def state_pass():
+        return F.chunk_state_pass(k, w, u, g_cum, initial_state, False, cu_seqlens, C, l2, h_dtype=h_dtype,
+                                  chunk_index=ci)[:2]
+
+    concurrent = need_h and dev.type == "cuda" and os.environ.get("GDN_BWD_CONCURRENT", "1") != "0" \
+        and not torch.cuda.is_current_stream_capturing()
+    if concurrent:
+        # the forward states (h, v_new) and the reverse pass are independent: overlap them
+        cur = torch.cuda.current_stream(dev)
+        side = _side_stream(dev)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            h, v_new = state_pass()
+    elif need_h:
+        h, v_new = state_pass()
+    rq, rk = (l2_rnorm(q), l2_rnorm(k)) if l2 else (None, None)
+    gs, dvn, dh0 = chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, C, l2, initial_state is not None,
+                                state_dtype=h_dtype, chunk_index=ci, segment_chunks=segment_chunks, rq=rq, rk=rk)
+    if concurrent:
+        cur.wait_stream(side)
+        h.record_stream(cur)
+        v_new.record_stream(cur)
+    del w, u  # peak memory: not needed by the last kernel
+    dq, dk, dv, dbeta, dg = chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_seqlens, C,
+                                           l2, g_dtype=g.dtype, chunk_index=ci, rq=rq, rk=rk)
+    return dq, dk, dv, dg, dbeta, dh0
+
+
+__all__ = ["chunk_gated_delta_rule_bwd", "chunk_bwd_dh", "chunk_bwd_main", "chunk_tables", "l2_rnorm"]

@@ -1,0 +1,365 @@
+"""Backward of the chunked gated delta rule (gdn.kernels.chunk_bwd) against float64 autograd of the reference.
+
+Three layers:
+* the algebra of the backward (module docstring of chunk_bwd) in plain float64 torch vs autograd (no kernels);
+* the kernels fed with float64/fp32/bf16 forward intermediates computed here in torch (any chunk size, fp64
+  gradcheck, bf16 numerics) -- independent of the forward kernels;
+* the full ``chunk_gated_delta_rule_bwd`` (forward intermediates recomputed by gdn.kernels.chunk_fwd, chunk 64) and,
+  once it is wired, the public op through autograd.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gdn.reference import chunk_gated_delta_rule_ref, l2norm_ref, sequence_spans
+from gdn.testing import make_inputs, rel_err
+
+TOL32 = 3e-3
+NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------------------------------
+def _inputs(B, T, H, HV, K, V, *, dtype=torch.float32, N=None, h0=True, dht=True, g_range=(-1.0, -0.01)):
+    x = make_inputs(B, T, H, HV, K, V, dtype=dtype, g_range=g_range)
+    N = B if N is None else N
+    sdt = torch.float64 if dtype == torch.float64 else torch.float32
+    init = torch.randn(N, HV, K, V, dtype=sdt) if h0 else None
+    dht_ = torch.randn(N, HV, K, V, dtype=sdt) if dht else None
+    do = torch.randn(B, T, HV, V, dtype=dtype)
+    return x, init, do, dht_
+
+
+def _ref_grads(q, k, v, g, beta, scale, h0, cu, l2, do, dht, C=64):
+    xs = [None if x is None else x.detach().to(torch.float64).requires_grad_() for x in (q, k, v, g, beta, h0)]
+    o, ht = chunk_gated_delta_rule_ref(*xs[:5], scale, xs[5], dht is not None, cu, l2, chunk_size=C)
+    outs, grads = [o], [do.to(torch.float64)]
+    if dht is not None:
+        outs.append(ht)
+        grads.append(dht.to(torch.float64))
+    torch.autograd.backward(outs, grads)
+    return [None if x is None else x.grad for x in xs]
+
+
+def _torch_intermediates(q, k, v, g, beta, h0, cu, C, l2, dtype=None):
+    """Forward intermediates in float64 torch, in the layouts of gdn.kernels.chunk_fwd:
+    g_cum [B,T,HV], Ainv [B,T,HV,C], w [B,T,HV,K], h [NT,HV,K,V] (chunk start states), v_new [B,T,HV,V]."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    f = torch.float64
+    kn = k.to(f)
+    if l2:
+        kn = l2norm_ref(kn)
+    kn = kn.repeat_interleave(HV // H, 2)
+    gcum = torch.zeros(B, T, HV, dtype=f)
+    ainv = torch.zeros(B, T, HV, C, dtype=f)
+    w = torch.zeros(B, T, HV, K, dtype=f)
+    vn = torch.zeros(B, T, HV, V, dtype=f)
+    hs = []
+    for n, (bi, s, e) in enumerate(sequence_spans(B, T, cu)):
+        S = h0[n].to(f) if h0 is not None else torch.zeros(HV, K, V, dtype=f)
+        for c0 in range(s, e, C):
+            c1 = min(c0 + C, e)
+            L = c1 - c0
+            kc = kn[bi, c0:c1].transpose(0, 1)
+            vc = v[bi, c0:c1].to(f).transpose(0, 1)
+            gc = g[bi, c0:c1].to(f).transpose(0, 1).cumsum(-1)
+            bc = beta[bi, c0:c1].to(f).transpose(0, 1)
+            mask = torch.ones(L, L, dtype=torch.bool).tril()
+            gam = torch.where(mask, torch.exp(torch.where(mask, gc[:, :, None] - gc[:, None, :], 0.0)), 0.0)
+            A = (bc[..., None] * gam * (kc @ kc.transpose(-1, -2))).tril(-1)
+            Ai = torch.linalg.inv(torch.eye(L, dtype=f) + A)
+            W = Ai @ (kc * (bc * gc.exp())[..., None])
+            U = Ai @ (vc * bc[..., None])
+            hs.append(S.clone())
+            Vn = U - W @ S
+            gl = gc[:, -1]
+            S = S * gl.exp()[:, None, None] + (kc * (gl[:, None] - gc).exp()[..., None]).transpose(-1, -2) @ Vn
+            gcum[bi, c0:c1] = gc.transpose(0, 1)
+            ainv[bi, c0:c1, :, :L] = Ai.transpose(0, 1)
+            w[bi, c0:c1] = W.transpose(0, 1)
+            vn[bi, c0:c1] = Vn.transpose(0, 1)
+    hs = torch.stack(hs) if hs else torch.zeros(0, HV, K, V, dtype=f)
+    dt = dtype or q.dtype
+    return dict(g_cum=gcum.to(torch.float64 if dt == f else torch.float32), ainv=ainv.to(dt), w=w.to(dt),
+                h=hs.to(dt), v_new=vn.to(dt))
+
+
+def _kernel_bwd(q, k, v, g, beta, scale, h0, cu, C, l2, do, dht, inter=None, segment_chunks=None):
+    """The two backward kernels fed with torch intermediates (any chunk size, fp64 capable)."""
+    from gdn.kernels.chunk_bwd import chunk_bwd_dh, chunk_bwd_main, chunk_tables
+
+    it = inter or _torch_intermediates(q, k, v, g, beta, h0, cu, C, l2)
+    B, T = q.shape[:2]
+    tables = chunk_tables(B, T, cu, C, q.device)
+    gs, dvn, dh0 = chunk_bwd_dh(q, k, it["w"], it["g_cum"], do, dht, scale, cu, C, l2, h0 is not None,
+                                chunk_index=tables, segment_chunks=segment_chunks)
+    dq, dk, dv, db, dg = chunk_bwd_main(q, k, v, it["g_cum"], beta, it["ainv"], it["v_new"], dvn, do, it["h"], gs,
+                                        scale, cu, C, l2, g_dtype=g.dtype, chunk_index=tables)
+    return dq, dk, dv, dg, db, dh0
+
+
+def _full_bwd(q, k, v, g, beta, scale, h0, cu, l2, do, dht, segment_chunks=None):
+    from gdn.kernels.chunk_bwd import chunk_gated_delta_rule_bwd
+
+    return chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, h0, cu, 64, l2, do, dht,
+                                      segment_chunks=segment_chunks)
+
+
+def _compare(mine, ref, tol, skip=()):
+    msgs = []
+    for name, a, r in zip(NAMES, mine, ref):
+        if r is None:
+            assert a is None, f"{name}: expected None"
+            continue
+        assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} vs {tuple(r.shape)}"
+        if name in skip:
+            continue
+        e = rel_err(a, r)
+        if not e < tol:
+            msgs.append(f"{name}: rel_err {e:.3e} >= {tol}")
+    assert not msgs, "; ".join(msgs)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 1. the algebra (float64 torch, no kernels)
+# ----------------------------------------------------------------------------------------------------------------------
+def _torch_bwd_math(q, k, v, g, beta, scale, h0, do, dht, C, l2):
+    """The backward of the module docstring, term by term, one (batch, value head, chunk) at a time."""
+    f = torch.float64
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    R = HV // H
+    qn, kn = (l2norm_ref(q), l2norm_ref(k)) if l2 else (q, k)
+    qe, ke = qn.repeat_interleave(R, 2), kn.repeat_interleave(R, 2)
+    it = _torch_intermediates(q, k, v, g, beta, h0, None, C, l2, dtype=f)
+    NT = -(-T // C)
+    dq, dk = torch.zeros(B, T, HV, K, dtype=f), torch.zeros(B, T, HV, K, dtype=f)
+    dv, dg, db = torch.zeros_like(v), torch.zeros_like(g), torch.zeros_like(beta)
+    dh0 = torch.zeros_like(h0)
+    for b in range(B):
+        for hv in range(HV):
+            Gm = dht[b, hv].clone()
+            Gs, dVns = [None] * NT, [None] * NT
+            for c in reversed(range(NT)):              # reverse pass
+                sl = slice(c * C, min((c + 1) * C, T))
+                n = sl.stop - sl.start
+                gc = it["g_cum"][b, sl, hv]
+                gl = gc[-1]
+                Q, Kc, dO = qe[b, sl, hv] * scale, ke[b, sl, hv], do[b, sl, hv]
+                m = torch.ones(n, n, dtype=torch.bool).tril()
+                gamT = torch.where(m.T, torch.exp(torch.where(m.T, gc[None, :] - gc[:, None], 0.0)), 0.0)
+                Gs[c] = Gm
+                dVns[c] = ((Kc @ Q.T) * gamT) @ dO + (Kc * (gl - gc).exp()[:, None]) @ Gm
+                Gm = Gm * gl.exp() + (Q * gc.exp()[:, None]).T @ dO - it["w"][b, sl, hv].T @ dVns[c]
+            dh0[b, hv] = Gm
+            for c in range(NT):                        # parallel part
+                sl = slice(c * C, min((c + 1) * C, T))
+                n = sl.stop - sl.start
+                gc = it["g_cum"][b, sl, hv]
+                gl = gc[-1]
+                Q, Kc, Vc, dO, be = qe[b, sl, hv] * scale, ke[b, sl, hv], v[b, sl, hv], do[b, sl, hv], beta[b, sl, hv]
+                Hc, Gc, Vn, dVn = it["h"][c + b * NT, hv], Gs[c], it["v_new"][b, sl, hv], dVns[c]
+                Ai = it["ainv"][b, sl, hv, :n]
+                m = torch.ones(n, n, dtype=torch.bool).tril()
+                SL = torch.ones(n, n, dtype=torch.bool).tril(-1)
+                gam = torch.where(m, torch.exp(torch.where(m, gc[:, None] - gc[None, :], 0.0)), 0.0)
+                eg, egl = gc.exp(), (gl - gc).exp()
+                dPm, dPmT = (dO @ Vn.T) * gam, (Vn @ dO.T) * gam.T
+                P = dPm * (Q @ Kc.T) * SL
+                dc = P.sum(1) - P.sum(0)
+                dqh = eg[:, None] * (dO @ Hc.T)
+                dc = dc + (Q * dqh).sum(1)
+                dqh = dqh + dPm @ Kc
+                dKs = egl[:, None] * (Vn @ Gc.T)
+                kdks = (Kc * dKs).sum(1)
+                dkh = dKs + dPmT @ Q
+                dVb = Ai.T @ dVn
+                dbe = (dVb * Vc).sum(1)
+                dKb = -dVb @ Hc.T
+                kdkb = (dKb * Kc).sum(1) * eg
+                dbe, dc = dbe + kdkb, dc + kdkb * be
+                dkh = dkh + (be * eg)[:, None] * dKb
+                dA, dAT = -dVb @ Vn.T, -Vn @ (dVn.T @ Ai)
+                KK = Kc @ Kc.T
+                dAgk = dA * gam * KK * SL
+                dbe = dbe + dAgk.sum(1)
+                dAA = dAgk * be[:, None]
+                dc = dc + dAA.sum(1) - dAA.sum(0)
+                dkh = dkh + (dA * gam * be[:, None] * SL + dAT * gam.T * be[None, :] * SL.T) @ Kc
+                dgt = dc.flip(0).cumsum(0).flip(0) + (kdks.cumsum(0) - kdks) + gl.exp() * (Hc * Gc).sum()
+                dq[b, sl, hv], dk[b, sl, hv] = dqh * scale, dkh
+                dv[b, sl, hv], db[b, sl, hv], dg[b, sl, hv] = be[:, None] * dVb, dbe, dgt
+    dq, dk = dq.view(B, T, H, R, K).sum(3), dk.view(B, T, H, R, K).sum(3)
+    if l2:
+        def l2b(x, dy):
+            y = l2norm_ref(x)
+            return torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) * (dy - y * (y * dy).sum(-1, keepdim=True))
+        dq, dk = l2b(q, dq), l2b(k, dk)
+    return dq, dk, dv, dg, db, dh0
+
+
+def test_math_prototype():
+    """The derivation itself, exact to float64 rounding (partial last chunk, GVA 2, L2 norm, h0 and dht)."""
+    x, h0, do, dht = _inputs(2, 37, 2, 4, 8, 6, dtype=torch.float64)
+    scale = 0.7
+    mine = _torch_bwd_math(x.q, x.k, x.v, x.g, x.beta, scale, h0, do, dht, 16, True)
+    ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, scale, h0, None, True, do, dht, C=16)
+    _compare(mine, ref, 1e-12)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 2. kernels fed with torch intermediates
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("H,HV,K,V,C,l2", [(2, 2, 16, 16, 16, False), (1, 4, 32, 16, 16, True),
+                                           (2, 4, 16, 32, 32, True)])
+def test_kernels_fp32(H, HV, K, V, C, l2):
+    x, h0, do, dht = _inputs(2, 45, H, HV, K, V)
+    scale = K ** -0.5
+    mine = _kernel_bwd(x.q, x.k, x.v, x.g, x.beta, scale, h0, None, C, l2, do, dht)
+    ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, scale, h0, None, l2, do, dht, C=C)
+    _compare(mine, ref, TOL32)
+
+
+def test_kernels_bf16():
+    """bf16 inputs and bf16 intermediates (the training configuration): fla-like accuracy."""
+    x, h0, do, dht = _inputs(2, 50, 2, 4, 32, 16, dtype=torch.bfloat16)
+    mine = _kernel_bwd(x.q, x.k, x.v, x.g, x.beta, 0.2, h0, None, 16, True, do, dht)
+    ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, 0.2, h0, None, True, do, dht, C=16)
+    for name, a, t in zip(NAMES[:5], mine[:5], (x.q, x.k, x.v, x.g, x.beta)):
+        assert a.dtype == t.dtype, name
+    _compare(mine, ref, 3e-2)
+
+
+class _RefFwdKernelBwd(torch.autograd.Function):
+    """Forward: float64 reference; backward: the kernels (fed with float64 intermediates)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, h0, scale, C, l2):
+        ctx.save_for_backward(q, k, v, g, beta, h0)
+        ctx.cfg = (scale, C, l2)
+        return chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, True, None, l2, chunk_size=C)
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0 = ctx.saved_tensors
+        scale, C, l2 = ctx.cfg
+        dq, dk, dv, dg, db, dh0 = _kernel_bwd(q, k, v, g, beta, scale, h0, None, C, l2, do.contiguous(),
+                                              dht.contiguous())
+        return dq, dk, dv, dg, db, dh0, None, None, None
+
+
+@pytest.mark.parametrize("l2", [False, True])
+def test_gradcheck_fp64(l2):
+    """torch.autograd.gradcheck (numerical differences of the float64 reference vs the kernels in fp64)."""
+    x, h0, _, _ = _inputs(1, 21, 1, 2, 16, 16, dtype=torch.float64)
+    args = [t.detach().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta, h0)]
+    # fast mode: a few random projections of the Jacobian (one kernel backward each instead of one per output)
+    assert torch.autograd.gradcheck(lambda *a: _RefFwdKernelBwd.apply(*a, 0.3, 16, l2), args, eps=1e-6,
+                                    atol=1e-7, rtol=1e-5, fast_mode=True)
+
+
+def test_kernels_strong_and_no_decay():
+    """g = -30 (everything forgotten every token) stays finite with exact gate gradients; g = 0 (no decay)."""
+    x, h0, do, dht = _inputs(1, 40, 2, 4, 16, 16, g_range=(-30.0, -30.0))
+    mine = _kernel_bwd(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, None, 16, True, do, dht)
+    ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, None, True, do, dht, C=16)
+    _compare(mine, ref, TOL32, skip=("dg",))
+    # dg is ~1e-13 here (exp(-30) factors): compare on the scale of the other gradients
+    assert (mine[3].double() - ref[3]).abs().max() < 1e-6 * ref[2].abs().max()
+    x, h0, do, dht = _inputs(1, 40, 2, 4, 16, 16, g_range=(0.0, 0.0))
+    mine = _kernel_bwd(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, None, 16, True, do, dht)
+    ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, None, True, do, dht, C=16)
+    _compare(mine, ref, TOL32)
+
+
+@pytest.mark.parametrize("dht,varlen", [(True, True), (False, False)])
+def test_kernels_segmented_reverse_pass(dht, varlen):
+    """The parallel-in-time reverse pass (segments of 2 chunks + K x K transitions + merge) equals the plain one;
+    ragged varlen incl. an empty sequence and a sequence shorter than one segment."""
+    if varlen:
+        lens = [37, 0, 16, 70]
+        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        x, h0, do, dht_ = _inputs(1, int(cu[-1]), 1, 2, 16, 16, N=len(lens), dht=dht)
+    else:
+        cu = None
+        x, h0, do, dht_ = _inputs(2, 75, 1, 2, 16, 16, dht=dht)
+    ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, cu, True, do, dht_, C=16)
+    it = _torch_intermediates(x.q, x.k, x.v, x.g, x.beta, h0, cu, 16, True)
+    seg = _kernel_bwd(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, cu, 16, True, do, dht_, inter=it, segment_chunks=2)
+    _compare(seg, ref, TOL32)
+    plain = _kernel_bwd(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, cu, 16, True, do, dht_, inter=it, segment_chunks=-1)
+    _compare(plain, ref, TOL32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 3. the full backward (forward intermediates from gdn.kernels.chunk_fwd, chunk 64)
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("H,HV,l2,h0,dht", [(2, 2, True, True, True), (2, 4, False, True, False),
+                                            (1, 4, True, False, True), (2, 4, True, False, False)])
+def test_full_bwd_fp32(H, HV, l2, h0, dht):
+    K, V = 32, 16
+    x, init, do, dht_ = _inputs(2, 100, H, HV, K, V, h0=h0, dht=dht)
+    mine = _full_bwd(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, init, None, l2, do, dht_)
+    ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, init, None, l2, do, dht_)
+    _compare(mine, ref, TOL32)
+    for name, a, t in zip(NAMES, mine, (x.q, x.k, x.v, x.g, x.beta, init)):
+        if t is not None:
+            assert a.dtype == (torch.float32 if name == "dh0" else t.dtype), name
+
+
+def test_full_bwd_varlen_ragged():
+    """Sequence lengths 0, 1, chunk - 1, chunk + 1 and 2 chunks + 7 in one varlen batch, GVA 2."""
+    lens = [0, 1, 63, 65, 135]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    T = int(cu[-1])
+    x, h0, do, dht = _inputs(1, T, 1, 2, 16, 16, N=len(lens))
+    mine = _full_bwd(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, cu, True, do, dht)
+    ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, cu, True, do, dht)
+    _compare(mine, ref, TOL32)
+    # the empty sequence passes dht straight through to dh0
+    torch.testing.assert_close(mine[5][0], dht[0], rtol=0, atol=0)
+
+
+def test_full_bwd_strided_qkv():
+    """q, k, v as views into one packed [B, T, 2*H*K + HV*V] tensor (no copies), do non-contiguous."""
+    B, T, H, HV, K, V = 1, 70, 2, 4, 16, 16
+    x, h0, do, dht = _inputs(B, T, H, HV, K, V)
+    packed = torch.cat([x.q.flatten(2), x.k.flatten(2), x.v.flatten(2)], -1)
+    q = packed[..., :H * K].view(B, T, H, K)
+    k = packed[..., H * K:2 * H * K].view(B, T, H, K)
+    v = packed[..., 2 * H * K:].view(B, T, HV, V)
+    do_nc = torch.randn(B, T, V, HV).transpose(-1, -2)
+    mine = _full_bwd(q, k, v, x.g, x.beta, 0.25, h0, None, False, do_nc, dht)
+    ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, None, False, do_nc, dht)
+    _compare(mine, ref, TOL32)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# 4. the public op through autograd (once gdn.ops.chunk_gated_delta_rule is wired to the kernels)
+# ----------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["v_last", "k_last"])
+def test_public_op_autograd(layout):
+    from gdn.ops import chunk_gated_delta_rule
+
+    B, T, H, HV, K, V = 2, 70, 1, 2, 16, 32
+    x, h0, do, dht = _inputs(B, T, H, HV, K, V)
+    if layout == "k_last":
+        h0, dht = h0.transpose(-1, -2).contiguous(), dht.transpose(-1, -2).contiguous()
+    leaves = [t.clone().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta, h0)]
+    try:
+        o, ht = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True, state_layout=layout)
+    except NotImplementedError:
+        pytest.skip("chunk_gated_delta_rule not wired yet")
+    if o.grad_fn is None:
+        pytest.skip("chunk_gated_delta_rule is not differentiable yet")
+    torch.autograd.backward([o, ht], [do, dht])
+    refs = [t.detach().double().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta, h0)]
+    ro, rht = chunk_gated_delta_rule_ref(*refs[:5], initial_state=refs[5], output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True, state_layout=layout)
+    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
+    _compare([t.grad for t in leaves], [t.grad for t in refs], TOL32)
