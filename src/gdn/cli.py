@@ -29,14 +29,17 @@ def _cmd_check(args) -> int:
     interp = " (Triton interpreter)" if dev.type == "cpu" and path == "triton" else ""
     print(f"gdn check on {device}{interp}: backend {backend_name()} -> {path}")
     only = set(args.ops.split(",")) if args.ops else None
-    results = run_all(dev, only=only)
-    w_op = max([len(r.op) for r in results] + [2])
-    w_case = max([len(r.case) for r in results] + [4])
-    print(f"{'op':<{w_op}}  {'case':<{w_case}}  {'rel_err':>10}  {'tol':>8}  result")
-    for r in results:
-        status = "PASS" if r.passed else "FAIL"
-        note = f"  {r.note}" if r.note else ""
-        print(f"{r.op:<{w_op}}  {r.case:<{w_case}}  {r.rel_err:>10.2e}  {r.tol:>8.1e}  {status}{note}")
+    w_op, w_case = 14, 46
+    print(f"{'op':<{w_op}}  {'case':<{w_case}}  {'rel_err':>10}  {'tol':>8}  result", flush=True)
+
+    def show(rows):  # printed as each check finishes, so a slow or crashing op still leaves the rows before it
+        for r in rows:
+            status = "PASS" if r.passed else "FAIL"
+            note = f"  {r.note}" if r.note else ""
+            print(f"{r.op:<{w_op}}  {r.case:<{w_case}}  {r.rel_err:>10.2e}  {r.tol:>8.1e}  {status}{note}",
+                  flush=True)
+
+    results = run_all(dev, only=only, progress=show)
     failed = [r for r in results if not r.passed]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed or not results else 0

@@ -54,10 +54,11 @@ def run_all(device: torch.device, only=None, progress=None) -> List[Result]:
         if only and mod not in only:
             continue
         try:
-            results.extend(fn(device))
+            new = list(fn(device))
         except Exception as e:
-            results.append(Result(mod, fn.__name__, float("inf"), 0.0, note="".join(
-                traceback.format_exception_only(type(e), e)).strip()))
+            new = [Result(mod, fn.__name__, float("inf"), 0.0, note="".join(
+                traceback.format_exception_only(type(e), e)).strip())]
+        results.extend(new)
         if progress:
-            progress(fn.__name__)
+            progress(new)
     return results
