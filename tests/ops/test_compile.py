@@ -87,3 +87,37 @@ def test_conv_update_with_pool_compiles_fullgraph():
     out = torch.compile(lambda x, p: causal_conv1d_update(x, p, w, conv_state_indices=idx) + 1, fullgraph=True,
                         backend="aot_eager")(x, p2)
     assert rel_err(out - 1, ref) < 1e-6 and torch.equal(p1, p2)
+
+
+def test_chunk_compiles_fullgraph_with_backward():
+    from gdn.ops import chunk_gated_delta_rule
+
+    x = make_inputs(1, 70, 2, 4, 16, 16, device=DEV)
+    h0 = torch.randn(2, 4, 16, 16, device=DEV)
+    cu = torch.tensor([0, 30, 70], device=DEV)
+
+    def fn(q, k, v, g, beta, h0):
+        o, ht = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                       use_qk_l2norm_in_kernel=True, state_layout="k_last")
+        return o.sum(-1) + ht.sum((1, 2, 3))[None, :1]
+
+    _compile_matches(fn, x.q, x.k, x.v, x.g, x.beta, h0)
+
+
+def test_chunk_pool_prefill_compiles_fullgraph():
+    from gdn.ops import chunk_gated_delta_rule
+
+    x = make_inputs(1, 40, 2, 4, 16, 16, device=DEV)
+    cu = torch.tensor([0, 17, 40], device=DEV)
+    pool = torch.randn(5, 4, 16, 16, device=DEV)
+    idx = torch.tensor([3, 0], device=DEV)
+
+    def fn(q, k, v, g, beta, pool):
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx,
+                                      use_qk_l2norm_in_kernel=True)[0] * 2
+
+    p1, p2 = pool.clone(), pool.clone()
+    ref = fn(x.q, x.k, x.v, x.g, x.beta, p1)
+    torch._dynamo.reset()
+    out = torch.compile(fn, fullgraph=True, backend="aot_eager")(x.q, x.k, x.v, x.g, x.beta, p2)
+    assert rel_err(out, ref) < 1e-6 and torch.equal(p1, p2)

@@ -158,3 +158,85 @@ def _conv_backward(ctx, dy):
 
 
 conv_fwd.register_autograd(_conv_backward, setup_context=_conv_setup)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# chunked gated delta rule (states fp32 v_last inside; an empty tensor stands for an absent state)
+# ----------------------------------------------------------------------------------------------------------------------
+def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+@torch.library.custom_op("gdn::chunk_fwd", mutates_args=())
+def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+              cu_seqlens: Optional[Tensor], scale: float, output_final_state: bool, l2norm: bool,
+              chunk_size: int) -> Tuple[Tensor, Tensor]:
+    from ..kernels.chunk_fwd import chunk_gated_delta_rule_fwd
+
+    o, ht, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                          chunk_size, l2norm, state_layout="v_last")
+    return o, (ht if ht is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@chunk_fwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2norm, chunk_size):
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    ht = (q.new_empty((_num_seqs(q, cu_seqlens), HV, K, V), dtype=torch.float32) if output_final_state
+          else q.new_empty((0,), dtype=torch.float32))
+    return v.new_empty(v.shape), ht
+
+
+@torch.library.custom_op("gdn::chunk_bwd", mutates_args=())
+def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
+              cu_seqlens: Optional[Tensor], do: Tensor, dht: Optional[Tensor], scale: float, l2norm: bool,
+              chunk_size: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    from ..kernels.chunk_bwd import chunk_gated_delta_rule_bwd
+
+    dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                                                            chunk_size, l2norm, do, dht)
+    return dq, dk, dv, dg, dbeta, (dh0 if dh0 is not None else q.new_empty((0,), dtype=torch.float32))
+
+
+@chunk_bwd.register_fake
+def _(q, k, v, g, beta, initial_state, cu_seqlens, do, dht, scale, l2norm, chunk_size):
+    dh0 = torch.empty_like(initial_state) if initial_state is not None else q.new_empty((0,), dtype=torch.float32)
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
+            torch.empty_like(beta), dh0)
+
+
+def _chunk_setup(ctx, inputs, output):
+    q, k, v, g, beta, h0, cu, scale, output_final_state, l2norm, chunk_size = inputs
+    ctx.save_for_backward(q, k, v, g, beta, h0, cu)
+    ctx.args = (scale, l2norm, chunk_size)
+    ctx.has_h0 = h0 is not None
+    ctx.has_ht = output_final_state
+
+
+def _chunk_backward(ctx, do, dht):
+    q, k, v, g, beta, h0, cu = ctx.saved_tensors
+    scale, l2norm, chunk_size = ctx.args
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, dh0 = chunk_bwd(q, k, v, g, beta, h0, cu, do.contiguous(),
+                                           dht if ctx.has_ht and dht is not None else None, scale, l2norm, chunk_size)
+    return dq, dk, dv, dg, dbeta, (dh0 if ctx.has_h0 else None), None, None, None, None, None
+
+
+chunk_fwd.register_autograd(_chunk_backward, setup_context=_chunk_setup)
+
+
+@torch.library.custom_op("gdn::chunk_fwd_pool", mutates_args=("pool",))
+def chunk_fwd_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, state_indices: Tensor,
+                   cu_seqlens: Optional[Tensor], scale: float, l2norm: bool, chunk_size: int,
+                   state_layout: str) -> Tensor:
+    """Inference prefill over a state pool: initial states read from, final states written to the pool rows."""
+    from ..kernels.chunk_fwd import chunk_gated_delta_rule_fwd
+
+    o, _, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, pool, False, cu_seqlens, chunk_size, l2norm,
+                                         state_layout=state_layout, state_indices=state_indices, final_state=pool)
+    return o
+
+
+@chunk_fwd_pool.register_fake
+def _(q, k, v, g, beta, pool, state_indices, cu_seqlens, scale, l2norm, chunk_size, state_layout):
+    return v.new_empty(v.shape)

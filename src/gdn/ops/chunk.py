@@ -143,6 +143,20 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size):
     if beta is None:
         beta = torch.ones((), dtype=torch.float32, device=q.device).expand(g.shape)
+    if torch.compiler.is_compiling():  # opaque torch.library ops (gdn/ops/_library.py): no graph break
+        from ._library import chunk_fwd, chunk_fwd_pool
+
+        if idx is not None:
+            o = chunk_fwd_pool(q, k, v, g, beta, initial_state, idx, cu_seqlens, scale, l2, chunk_size, layout)
+            return o, (initial_state if output_final_state else None)
+        h0 = initial_state
+        if h0 is not None:
+            h0 = h0.to(torch.float32)
+            h0 = (h0.transpose(-1, -2) if layout == "k_last" else h0).contiguous()
+        o, ht = chunk_fwd(q, k, v, g, beta, h0, cu_seqlens, scale, bool(output_final_state), l2, chunk_size)
+        if not output_final_state:
+            return o, None
+        return o, (ht.transpose(-1, -2).contiguous() if layout == "k_last" else ht)
     if _needs_grad(q, k, v, g, beta, initial_state):
         h0 = initial_state
         if h0 is not None:
