@@ -11,6 +11,34 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def _check_against_reference(run, x, lens, layout, l2, use_pool, tol):
+    """Run ``run(initial_state, cu, **pool_kwargs) -> (o, final)`` on random starting states, directly or through a
+    pool with spare rows (which must stay bit-for-bit untouched), and compare with the float64 recurrence."""
+    HV, K, V = x.v.shape[2], x.q.shape[3], x.v.shape[3]
+    N = len(lens)
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=DEV)
+    shape = (HV, K, V) if layout == "v_last" else (HV, V, K)
+    h0 = torch.randn(N, *shape, device=DEV)
+    ro, rs = recurrent_gated_delta_rule_ref(*to64(x.q, x.k, x.v, x.g, x.beta), initial_state=h0.double(),
+                                            output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
+                                            state_layout=layout)
+    if use_pool:
+        P = N + 3
+        pool = torch.randn(P, *shape, device=DEV)
+        rows = torch.randperm(P, device=DEV)[:N]
+        pool[rows] = h0
+        before = pool.clone()
+        o, _ = run(pool, cu, ssm_state_indices=rows)
+        s = pool[rows]
+        others = [r for r in range(P) if r not in set(rows.tolist())]
+        assert torch.equal(pool[others], before[others])
+    else:
+        o, s = run(h0, cu, output_final_state=True)
+    if int(cu[-1]):
+        assert rel_err(o, ro) < tol
+    assert rel_err(s, rs) < tol
+
+
 @st.composite
 def problems(draw):
     H = draw(st.sampled_from([1, 2]))
@@ -30,35 +58,15 @@ def problems(draw):
 @given(problems())
 def test_recurrent_matches_reference(p):
     H, HV, K, V, lens, layout, g_lo, beta_hi, pool, l2 = p
-    N = len(lens)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=DEV)
-    T = int(cu[-1])
-    x = make_inputs(1, T, H, HV, K, V, device=DEV, g_range=(g_lo, 0.0), beta_range=(0.0, beta_hi),
+    x = make_inputs(1, sum(lens), H, HV, K, V, device=DEV, g_range=(g_lo, 0.0), beta_range=(0.0, beta_hi),
                     normalize_qk=not l2)
-    shape = (HV, K, V) if layout == "v_last" else (HV, V, K)
-    h0 = torch.randn(N, *shape, device=DEV)
-    ro, rs = recurrent_gated_delta_rule_ref(*to64(x.q, x.k, x.v, x.g, x.beta), initial_state=h0.double(),
-                                            output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2,
-                                            state_layout=layout)
-    if pool:
-        P = N + 3
-        pool_t = torch.randn(P, *shape, device=DEV)
-        rows = torch.randperm(P, device=DEV)[:N]
-        pool_t[rows] = h0
-        before = pool_t.clone()
-        o, fin = fused_recurrent_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool_t, cu_seqlens=cu,
-                                                  ssm_state_indices=rows, inplace_final_state=True,
-                                                  use_qk_l2norm_in_kernel=l2, state_layout=layout)
-        s = pool_t[rows]
-        others = [r for r in range(P) if r not in set(rows.tolist())]
-        assert torch.equal(pool_t[others], before[others])
-    else:
-        o, s = fused_recurrent_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, cu_seqlens=cu,
-                                                output_final_state=True, use_qk_l2norm_in_kernel=l2,
-                                                state_layout=layout)
-    if T:
-        assert rel_err(o, ro) < 1e-4
-    assert rel_err(s, rs) < 1e-4
+
+    def run(state, cu, **kw):
+        return fused_recurrent_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=state, cu_seqlens=cu,
+                                                inplace_final_state="ssm_state_indices" in kw,
+                                                use_qk_l2norm_in_kernel=l2, state_layout=layout, **kw)
+
+    _check_against_reference(run, x, lens, layout, l2, pool, 1e-4)
 
 
 def test_deterministic_bitwise():
@@ -109,32 +117,13 @@ def test_chunk_matches_reference(p):
     from gdn.ops import chunk_gated_delta_rule
 
     H, HV, K, V, lens, layout, g_lo, pool = p
-    N = len(lens)
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=DEV)
-    T = int(cu[-1])
-    x = make_inputs(1, T, H, HV, K, V, device=DEV, g_range=(g_lo, 0.0))
-    shape = (HV, K, V) if layout == "v_last" else (HV, V, K)
-    h0 = torch.randn(N, *shape, device=DEV)
-    ro, rs = recurrent_gated_delta_rule_ref(*to64(x.q, x.k, x.v, x.g, x.beta), initial_state=h0.double(),
-                                            output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-                                            state_layout=layout)
-    if pool:
-        P = N + 2
-        pool_t = torch.randn(P, *shape, device=DEV)
-        rows = torch.randperm(P, device=DEV)[:N]
-        pool_t[rows] = h0
-        before = pool_t.clone()
-        o, _ = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool_t, cu_seqlens=cu,
-                                      ssm_state_indices=rows, use_qk_l2norm_in_kernel=True, state_layout=layout)
-        s = pool_t[rows]
-        others = [r for r in range(P) if r not in set(rows.tolist())]
-        assert torch.equal(pool_t[others], before[others])
-    else:
-        o, s = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, cu_seqlens=cu,
-                                      output_final_state=True, use_qk_l2norm_in_kernel=True, state_layout=layout)
-    if T:
-        assert rel_err(o, ro) < 2e-3
-    assert rel_err(s, rs) < 2e-3
+    x = make_inputs(1, sum(lens), H, HV, K, V, device=DEV, g_range=(g_lo, 0.0))
+
+    def run(state, cu, **kw):
+        return chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=state, cu_seqlens=cu,
+                                      use_qk_l2norm_in_kernel=True, state_layout=layout, **kw)
+
+    _check_against_reference(run, x, lens, layout, True, pool, 2e-3)
 
 
 def test_chunk_deterministic_and_nan_isolated():
