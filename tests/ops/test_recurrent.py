@@ -4,7 +4,7 @@ import torch
 
 from gdn.ops import fused_recurrent_gated_delta_rule, gated_delta_rule_decode
 from gdn.reference import decode_ref, recurrent_gated_delta_rule_ref
-from gdn.testing import make_inputs, poison_, rel_err, to64
+from gdn.testing import GDNInputs, make_inputs, poison_, rel_err, to64
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -103,7 +103,7 @@ def test_pool_not_inplace_returns_new_state():
 def test_speculative_decoding_slots(layout):
     """Start from the accepted draft's slot; write every token's state into its own slot."""
     lens = [3, 1, 4, 2]
-    N, Tmax, H, HV, K, V, P = 4, 4, 2, 4, 16, 16, 20
+    N, H, HV, K, V, P = 4, 2, 4, 16, 16, 20
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=DEV)
     x = make_inputs(1, int(cu[-1]), H, HV, K, V, device=DEV)
     pool = _state(P, HV, K, V, layout)
@@ -119,14 +119,12 @@ def test_speculative_decoding_slots(layout):
     written = set()
     for n in range(N):
         s, e = int(cu[n]), int(cu[n + 1])
-        sub = make_inputs(1, 1, 1, 1, 1, 1)  # placeholder object, fields replaced below
-        for f in ("q", "k", "v", "g", "beta"):
-            setattr(sub, f, getattr(x, f)[:, s:e])
+        sub = _slice(x, s, e)
         h = before[start_rows[n]][None].double()
         ro, _ = _ref(sub, initial_state=h, use_qk_l2norm_in_kernel=True, state_layout=layout)
         assert rel_err(o[:, s:e], ro) < 1e-5
         for t in range(e - s):  # state after token t sits in idx[n, t]
-            _, st = _ref(_slice(sub, t + 1), initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            _, st = _ref(_slice(sub, 0, t + 1), initial_state=h, output_final_state=True, use_qk_l2norm_in_kernel=True,
                          state_layout=layout)
             r = int(idx[n, t])
             if r >= 0:
@@ -136,11 +134,10 @@ def test_speculative_decoding_slots(layout):
     assert torch.equal(pool[untouched], before[untouched])
 
 
-def _slice(x, t):
-    y = make_inputs(1, 1, 1, 1, 1, 1)
-    for f in ("q", "k", "v", "g", "beta"):
-        setattr(y, f, getattr(x, f)[:, :t])
-    return y
+def _slice(x, s, e):
+    """Tokens s:e of packed inputs (B == 1)."""
+    return GDNInputs(*(getattr(x, f)[:, s:e] if f in ("q", "k", "v", "g", "beta", "a", "b") else getattr(x, f)
+                       for f in GDNInputs.__dataclass_fields__))
 
 
 def test_gates_at_the_edges():

@@ -40,7 +40,7 @@ def recurrent_varlen(device):
 def recurrent_spec_pool(device):
     """2-D slots + num_accepted_tokens, in-place per-token states, bf16 pool, padding rows untouched."""
     s = _shapes(device)
-    N, Tm, P = 3, 4, 16
+    N, P = 3, 16
     lens = [4, 2, 3]
     cu = torch.tensor([0, 4, 6, 9], device=device)
     x = make_inputs(1, 9, s["H"], s["HV"], s["K"], s["V"], dtype=torch.bfloat16, device=device)

@@ -25,7 +25,6 @@ def gated_delta_rule_decode(q, k, v, state, A_log, a, dt_bias, b, scale=None, *,
         scale = None
     V_.tensor("state", state, ndim=4, dtypes=V_.STATE_DTYPES, device=q.device,
               shape_doc="[B, HV, V, K] (k_last) or [B, HV, K, V] (v_last)")
-    V_.tensor("b", b, ndim=3, dtypes=V_.FLOAT_DTYPES, device=q.device, shape_doc="[B, 1, HV]")
     plan = plan_recurrent(q, k, v, None, None, scale, state, False, None, state_layout, state_indices, None, True,
                           A_log, a, dt_bias, b, state_name="state", indices_name="state_indices")
     if output is not None:
