@@ -430,6 +430,23 @@ def _kkt_block(acc, r_i, r_j, b_i, g_i, g_j, DIAG: tl.constexpr):
 # kernel 1: cumsum + KK^T + solve + W/U
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
+def _tril_blocks_apply(j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, xa, xb, xc, xd, PREC: tl.constexpr):
+    """``J @ X`` for a 64x64 lower-triangular J held as 16x16 blocks ``j[row][col]`` and X as four 16-row blocks, in
+    the same order of products and sums as written out (W and U of the prepare kernel share it)."""
+    ya = _dot(j00, xa, PREC)
+    yb = _dot(j11, xb, PREC)
+    yb = yb + _dot(j10, xa, PREC)
+    yc = _dot(j22, xc, PREC)
+    yc = yc + _dot(j21, xb, PREC)
+    yc = yc + _dot(j20, xa, PREC)
+    yd = _dot(j33, xd, PREC)
+    yd = yd + _dot(j32, xc, PREC)
+    yd = yd + _dot(j31, xb, PREC)
+    yd = yd + _dot(j30, xa, PREC)
+    return ya, yb, yc, yd
+
+
+@triton.jit
 def _load_rows(ptr, rows, m, cols, mc, s_t):
     return tl.load(ptr + rows[:, None] * s_t + cols[None, :], mask=m[:, None] & mc[None, :], other=0.0)
 
@@ -650,16 +667,8 @@ def _chunk_prepare_kernel(
             xb = _rn((_load_rows(k_base, tb, mb, ok, mk, s_kt).to(tl.float32) * fb[:, None]), DT)
             xc = _rn((_load_rows(k_base, tc, mc, ok, mk, s_kt).to(tl.float32) * fc[:, None]), DT)
             xd = _rn((_load_rows(k_base, td, md, ok, mk, s_kt).to(tl.float32) * fd[:, None]), DT)
-            wa = _dot(j00, xa, PREC)
-            wb = _dot(j11, xb, PREC)
-            wb = wb + _dot(j10, xa, PREC)
-            wc = _dot(j22, xc, PREC)
-            wc = wc + _dot(j21, xb, PREC)
-            wc = wc + _dot(j20, xa, PREC)
-            wd = _dot(j33, xd, PREC)
-            wd = wd + _dot(j32, xc, PREC)
-            wd = wd + _dot(j31, xb, PREC)
-            wd = wd + _dot(j30, xa, PREC)
+            wa, wb, wc, wd = _tril_blocks_apply(j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, xa, xb, xc, xd,
+                                                PREC)
             wp = w_base + r[:, None] * (HV * K) + ok[None, :]
             tl.store(wp, _rn(wa, w.dtype.element_ty), mask=ma[:, None] & mk[None, :])
             tl.store(wp + 16 * HV * K, _rn(wb, w.dtype.element_ty), mask=mb[:, None] & mk[None, :])
@@ -676,16 +685,8 @@ def _chunk_prepare_kernel(
             xb = _rn((_load_rows(v_base, tb, mb, ov, mv, s_vt).to(tl.float32) * bb[:, None]), DT)
             xc = _rn((_load_rows(v_base, tc, mc, ov, mv, s_vt).to(tl.float32) * bc[:, None]), DT)
             xd = _rn((_load_rows(v_base, td, md, ov, mv, s_vt).to(tl.float32) * bd[:, None]), DT)
-            ua = _dot(j00, xa, PREC)
-            ub = _dot(j11, xb, PREC)
-            ub = ub + _dot(j10, xa, PREC)
-            uc = _dot(j22, xc, PREC)
-            uc = uc + _dot(j21, xb, PREC)
-            uc = uc + _dot(j20, xa, PREC)
-            ud = _dot(j33, xd, PREC)
-            ud = ud + _dot(j32, xc, PREC)
-            ud = ud + _dot(j31, xb, PREC)
-            ud = ud + _dot(j30, xa, PREC)
+            ua, ub, uc, ud = _tril_blocks_apply(j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, xa, xb, xc, xd,
+                                                PREC)
             up = u_base + r[:, None] * (HV * V) + ov[None, :]
             tl.store(up, _rn(ua, u.dtype.element_ty), mask=ma[:, None] & mv[None, :])
             tl.store(up + 16 * HV * V, _rn(ub, u.dtype.element_ty), mask=mb[:, None] & mv[None, :])
