@@ -433,6 +433,12 @@ def test_bench_run_writes_record_and_resumes(fakes, monkeypatch, tmp_path, capsy
     assert B._run(args, cases, [], torch.device("cpu"), device_cls=_FakeDevice) == 0
     doc2 = json.load(open(tmp_path / "r" / "fake-gpu-again.json"))
     assert not calls and doc2["rows"][0] == doc["rows"][0] and doc2["rows"][2]["gdn_ms"] > 0
+    # resuming with a narrower selection keeps the record's other rows (and measures nothing already measured)
+    args = _args(["--out", str(tmp_path / "r2"), "--no-plot", "--resume-from", str(tmp_path / "r" /
+                                                                                  "fake-gpu-again.json")])
+    assert B._run(args, cases[1:2], [], torch.device("cpu"), device_cls=_FakeDevice) == 0
+    doc3 = json.load(open(tmp_path / "r2" / "fake-gpu.json"))
+    assert sorted(r["key"] for r in doc3["rows"]) == sorted(c.key for c in cases) and not calls
 
 
 def test_bench_run_budget_skips(fakes, tmp_path, capsys):

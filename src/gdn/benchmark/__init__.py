@@ -192,6 +192,9 @@ def _run(args, cases, wanted_peers, dev, device_cls=_Device) -> int:
               check_tokens=args.check_tokens)
 
     rows, lost, status = [], None, 0
+    selected = {c.key for c in cases}
+    # rows of the resumed record outside this selection stay in the record (e.g. --ops chunk_fwd after a decode run)
+    kept = [r for k, r in done.items() if k not in selected]
     prog = Progress(len(cases))
     for c in cases:
         if c.key in done:
@@ -209,10 +212,11 @@ def _run(args, cases, wanted_peers, dev, device_cls=_Device) -> int:
                 lost, status = str(e)[:200], 3
             rows.append(report.finalize_row(row, copy_GBps, tflops))
             header["elapsed_s"] = round(time.time() - t_start, 1)
-            report.write_json(json_path, header, rows)
+            report.write_json(json_path, header, rows + kept)
         prog.update(c.label())
     prog.close()
     header["elapsed_s"] = round(time.time() - t_start, 1)
+    rows = rows + kept
     report.write_json(json_path, header, rows)
     print(report.format_table(rows))
     print()

@@ -194,6 +194,16 @@ def quick_cases() -> List[Case]:
             + _layer([(tp1, 4, 4096)]))
 
 
+def acceptance_cases() -> List[Case]:
+    """The rows the issues' goals are stated for (decode batches, the five prefill shapes, the layer)."""
+    tp1 = "qwen3next-tp1"
+    issue_shapes = [(tp1, 1, 8192), (tp1, 1, 32768), (tp1, 4, 4096), ("h2-hv8", 1, 65536), ("h64-hv64", 1, 32768)]
+    return (_decode([tp1], [1, 32, 128, 512, 2048])
+            + _chunk("chunk_fwd", issue_shapes)
+            + _chunk("chunk_fwd_bwd", issue_shapes)
+            + _layer([(tp1, 4, 4096)]))
+
+
 def full_cases() -> List[Case]:
     tp1, tp2, tp4, q35 = "qwen3next-tp1", "qwen3next-tp2", "qwen3next-tp4", "qwen35-397b"
     rest = (_decode([tp1, tp2, tp4, q35], [1, 4, 32, 128, 512, 2048])
@@ -208,9 +218,10 @@ def full_cases() -> List[Case]:
                                        ("h64-hv64", 1, 32768)])
             + _conv([(tp1, 1, 8192), (tp1, 4, 4096), (tp1, 1, 32768), (tp4, 1, 8192), (q35, 1, 8192)])
             + _layer([(tp1, 4, 4096)]))
-    # the quick set first, so that a run cut short by its time budget still holds the headline numbers
+    # the quick set first, then the issues' acceptance rows, so that a run cut short by its time budget (one device
+    # call is 10 minutes; continue with --resume-from) still holds the headline numbers
     out, seen = [], set()
-    for c in quick_cases() + rest:
+    for c in quick_cases() + acceptance_cases() + rest:
         if c.key not in seen:
             seen.add(c.key)
             out.append(c)
@@ -244,5 +255,5 @@ def floors_table(cases: Sequence[Case], copy_GBps: float, bf16_TFLOPs: float) ->
     return "\n".join(lines)
 
 
-__all__ = ["OPS", "MODELS", "Case", "case_from_dict", "cost", "floors_ms", "quick_cases", "full_cases", "select",
+__all__ = ["OPS", "MODELS", "Case", "case_from_dict", "cost", "floors_ms", "quick_cases", "acceptance_cases", "full_cases", "select",
            "floors_table", "chunk_fwd_flops_per_token_head", "chunk_bwd_flops_per_token_head"]
