@@ -430,9 +430,16 @@ def _kkt_block(acc, r_i, r_j, b_i, g_i, g_j, DIAG: tl.constexpr):
 # kernel 1: cumsum + KK^T + solve + W/U
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _tril_blocks_apply(j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, xa, xb, xc, xd, PREC: tl.constexpr):
-    """``J @ X`` for a 64x64 lower-triangular J held as 16x16 blocks ``j[row][col]`` and X as four 16-row blocks, in
-    the same order of products and sums as written out (W and U of the prepare kernel share it)."""
+def _tril_rows_product(src, s_t, cols, mcols, ta, tb, tc, td, ma, mb, mc, md, fa, fb, fc, fd,
+                       j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, dst, r, dst_row_stride,
+                       DT: tl.constexpr, PREC: tl.constexpr):
+    """``dst[rows, cols] = J @ (diag(f) src[rows, cols])`` for one chunk: J is the 64x64 lower-triangular inverse held
+    as 16x16 blocks ``j[row][col]``, the 64 rows come as four 16-row blocks (``t*`` row indices, ``m*`` masks, ``f*``
+    row factors). W and U of the prepare kernel are both this product (with different sources and factors)."""
+    xa = _rn((_load_rows(src, ta, ma, cols, mcols, s_t).to(tl.float32) * fa[:, None]), DT)
+    xb = _rn((_load_rows(src, tb, mb, cols, mcols, s_t).to(tl.float32) * fb[:, None]), DT)
+    xc = _rn((_load_rows(src, tc, mc, cols, mcols, s_t).to(tl.float32) * fc[:, None]), DT)
+    xd = _rn((_load_rows(src, td, md, cols, mcols, s_t).to(tl.float32) * fd[:, None]), DT)
     ya = _dot(j00, xa, PREC)
     yb = _dot(j11, xb, PREC)
     yb = yb + _dot(j10, xa, PREC)
@@ -443,7 +450,11 @@ def _tril_blocks_apply(j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, xa, xb,
     yd = yd + _dot(j32, xc, PREC)
     yd = yd + _dot(j31, xb, PREC)
     yd = yd + _dot(j30, xa, PREC)
-    return ya, yb, yc, yd
+    p = dst + r[:, None] * dst_row_stride + cols[None, :]
+    tl.store(p, _rn(ya, dst.dtype.element_ty), mask=ma[:, None] & mcols[None, :])
+    tl.store(p + 16 * dst_row_stride, _rn(yb, dst.dtype.element_ty), mask=mb[:, None] & mcols[None, :])
+    tl.store(p + 32 * dst_row_stride, _rn(yc, dst.dtype.element_ty), mask=mc[:, None] & mcols[None, :])
+    tl.store(p + 48 * dst_row_stride, _rn(yd, dst.dtype.element_ty), mask=md[:, None] & mcols[None, :])
 
 
 @triton.jit
@@ -663,17 +674,8 @@ def _chunk_prepare_kernel(
         for i_k in range(0, tl.cdiv(K, BK)):
             ok = i_k * BK + tl.arange(0, BK)
             mk = ok < K
-            xa = _rn((_load_rows(k_base, ta, ma, ok, mk, s_kt).to(tl.float32) * fa[:, None]), DT)
-            xb = _rn((_load_rows(k_base, tb, mb, ok, mk, s_kt).to(tl.float32) * fb[:, None]), DT)
-            xc = _rn((_load_rows(k_base, tc, mc, ok, mk, s_kt).to(tl.float32) * fc[:, None]), DT)
-            xd = _rn((_load_rows(k_base, td, md, ok, mk, s_kt).to(tl.float32) * fd[:, None]), DT)
-            wa, wb, wc, wd = _tril_blocks_apply(j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, xa, xb, xc, xd,
-                                                PREC)
-            wp = w_base + r[:, None] * (HV * K) + ok[None, :]
-            tl.store(wp, _rn(wa, w.dtype.element_ty), mask=ma[:, None] & mk[None, :])
-            tl.store(wp + 16 * HV * K, _rn(wb, w.dtype.element_ty), mask=mb[:, None] & mk[None, :])
-            tl.store(wp + 32 * HV * K, _rn(wc, w.dtype.element_ty), mask=mc[:, None] & mk[None, :])
-            tl.store(wp + 48 * HV * K, _rn(wd, w.dtype.element_ty), mask=md[:, None] & mk[None, :])
+            _tril_rows_product(k_base, s_kt, ok, mk, ta, tb, tc, td, ma, mb, mc, md, fa, fb, fc, fd,
+                               j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, w_base, r, HV * K, DT, PREC)
     if STORE_U:
         # U = Ainv @ (beta * v)
         v_base = v + i_b * s_vb + i_hv * s_vh
@@ -681,17 +683,8 @@ def _chunk_prepare_kernel(
         for i_v in range(0, tl.cdiv(V, BV)):
             ov = i_v * BV + tl.arange(0, BV)
             mv = ov < V
-            xa = _rn((_load_rows(v_base, ta, ma, ov, mv, s_vt).to(tl.float32) * ba[:, None]), DT)
-            xb = _rn((_load_rows(v_base, tb, mb, ov, mv, s_vt).to(tl.float32) * bb[:, None]), DT)
-            xc = _rn((_load_rows(v_base, tc, mc, ov, mv, s_vt).to(tl.float32) * bc[:, None]), DT)
-            xd = _rn((_load_rows(v_base, td, md, ov, mv, s_vt).to(tl.float32) * bd[:, None]), DT)
-            ua, ub, uc, ud = _tril_blocks_apply(j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, xa, xb, xc, xd,
-                                                PREC)
-            up = u_base + r[:, None] * (HV * V) + ov[None, :]
-            tl.store(up, _rn(ua, u.dtype.element_ty), mask=ma[:, None] & mv[None, :])
-            tl.store(up + 16 * HV * V, _rn(ub, u.dtype.element_ty), mask=mb[:, None] & mv[None, :])
-            tl.store(up + 32 * HV * V, _rn(uc, u.dtype.element_ty), mask=mc[:, None] & mv[None, :])
-            tl.store(up + 48 * HV * V, _rn(ud, u.dtype.element_ty), mask=md[:, None] & mv[None, :])
+            _tril_rows_product(v_base, s_vt, ov, mv, ta, tb, tc, td, ma, mb, mc, md, ba, bb, bc, bd,
+                               j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, u_base, r, HV * V, DT, PREC)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
