@@ -75,6 +75,11 @@ def _run_cp_rank(case: dict, data: dict, rank: int) -> dict:
     if case["final"]:
         loss = loss + (final * data["dfinal"].to(dev) * data["split"][rank]).sum()
     loss.backward()
+    return _results(o, final, xs, h0)
+
+
+def _results(o, final, xs, h0) -> dict:
+    """Output, final state and the gradients of every leaf, on the CPU (what one run hands to the comparison)."""
     res = {"o": o.detach().cpu(), "final": None if final is None else final.detach().cpu()}
     for n, x in xs.items():
         res["d" + n] = x.grad.cpu()
@@ -112,11 +117,7 @@ def _single(case: dict, data: dict) -> dict:
     if case["final"]:
         loss = loss + (final * data["dfinal"].to(dev)).sum()
     loss.backward()
-    res = {"o": o.detach().cpu(), "final": None if final is None else final.detach().cpu()}
-    for n, x in xs.items():
-        res["d" + n] = x.grad.cpu()
-    res["dh0"] = None if h0 is None else h0.grad.cpu()
-    return res
+    return _results(o, final, xs, h0)
 
 
 def _check(cases: list, world: int, tmp_path) -> None:
