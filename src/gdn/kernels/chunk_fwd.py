@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 from typing import List, NamedTuple, Optional, Tuple
 
@@ -57,17 +56,18 @@ L2_EPS = 1e-6
 # ----------------------------------------------------------------------------------------------------------------------
 _DEFAULT_CONFIG = {
     # prepare kernel (cumsum + KK^T + solve + W/U)
-    "prepare_BK": 64, "prepare_BV": 64, "prepare_warps": 4, "prepare_stages": 2, "prepare_maxnreg": 128,
-    # precision of the fp32 16x16 dots of the triangular-solve merge ("ieee" exact, "tf32x3" ~fp32, "tf32")
-    "solve_precision": "ieee",
+    "prepare_BK": 64, "prepare_BV": 64, "prepare_warps": 4, "prepare_stages": 2, "prepare_maxnreg": 168,
+    # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half
+    # inputs, else tf32x3; or "ieee", "tf32x3", "tf32", "bf16")
+    "solve_precision": "auto",
     # precision of dots whose operands are fp32 (fp32 inputs / fp32 intermediates)
     "fp32_dot_precision": "tf32x3",
     # sequential state pass: BV tile of the state (0 = automatic: 64 for K <= 128, else 32)
     "state_BV": 0, "state_warps": 4, "state_stages": 2, "state_maxnreg": 0,
     # output kernel
-    "output_BK": 128, "output_BV": 64, "output_warps": 4, "output_stages": 1, "output_maxnreg": 128,
+    "output_BK": 128, "output_BV": 64, "output_warps": 4, "output_stages": 1, "output_maxnreg": 0,
     # merge kernel of the segmented state pass
-    "merge_BK": 64, "merge_BV": 64, "merge_warps": 4,
+    "merge_BK": 64, "merge_BV": 64, "merge_warps": 4, "merge_precision": "tf32x3",
     # storage dtype of the per-chunk states h in the forward: "input" (bf16 for bf16 inputs) or "fp32"
     "h_dtype": "input",
     # forward state pass: v_new from Ainv/v/beta ("ainv", no w/u round trip) or from stored w/u ("wu")
@@ -76,11 +76,12 @@ _DEFAULT_CONFIG = {
     "state_split_h": False,
     # storage dtype of Ainv in the forward ("input" = tensor-core dtype, or "fp32")
     "ainv_dtype": "input",
-    # compute o inside the state pass (no h / v_new in memory; no output kernel)
-    # The separate output kernel with a 2-stage pipelined K loop gave run-to-run different, wrong outputs on an H200
-    # with Triton 3.6 (o error 2.7e-2 vs float64 at 1x8192 16/32 bf16; bench/debug_chunk_det.py); the fused path was
-    # exact and as fast, so it is the default, and the unfused kernel now runs unpipelined with one K tile.
-    "fuse_output": True,
+    # compute o inside the state pass (no h / v_new in memory; no output kernel). Off by default: on an H200 the
+    # fused pass is latency-bound (5.5 us per chunk step vs 2.4 us without the output work), and the parallel output
+    # kernel costs less than the longer sequential chain on every target shape (bench/results/chunk_sweep_h200.json).
+    # The output kernel runs unpipelined with one K tile: a 2-stage pipelined K loop there gave run-to-run different,
+    # wrong outputs on an H200 with Triton 3.6 (o error 2.7e-2; bench/debug_chunk_det.py).
+    "fuse_output": False,
     # segmented state pass: 0 = heuristic, -1 = never, n > 0 = always, with n chunks per segment
     "segment_chunks": 0,
     # heuristic (see choose_segment_len): resident state-pass CTAs per SM, cost of one merge step in chunk steps,
@@ -90,6 +91,8 @@ _DEFAULT_CONFIG = {
     "segment_min_len": 8,
     # testing: fill every buffer these launch functions allocate with NaN first (catches unwritten elements)
     "debug_poison": False,
+    # timing experiments: skip the triangular solve in the prepare kernel (wrong results; shows the solve's share)
+    "debug_skip_solve": False,
 }
 CONFIG = dict(_DEFAULT_CONFIG)
 
@@ -339,8 +342,10 @@ def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(int(x)))
 
 
-def _state_bv(K: int, V: int) -> int:
-    bv = int(CONFIG["state_BV"]) or (64 if K <= 128 else 32)
+def _state_bv(K: int, V: int, fused: bool = False) -> int:
+    """V tile of the state pass: CONFIG["state_BV"], or automatic: 32 with the output fused in or K > 128 (register
+    budget: no spills at 4 warps on sm_90), else 64."""
+    bv = int(CONFIG["state_BV"]) or (32 if (fused or K > 128) else 64)
     return max(16, min(bv, _pow2(V)))
 
 
@@ -396,81 +401,68 @@ def _seq_span(n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _tril_inv16x4(a0, a1, a2, a3):
-    """(I + A)^-1 of four strictly lower triangular fp32 [16, 16] blocks at once (forward substitution on a
-    [4, 16, 16] stack: 15 sequential row steps)."""
-    A = tl.reshape(tl.permute(tl.join(tl.join(a0, a1), tl.join(a2, a3)), (3, 2, 0, 1)), (4, 16, 16))
-    r = tl.arange(0, 16)
-    ri = r[None, :, None]
-    Y = tl.zeros([4, 16, 16], tl.float32) + tl.where(r[:, None] == r[None, :], 1.0, 0.0)[None, :, :]
-    for i in range(1, 16):
-        a_i = tl.sum(tl.where(ri == i, A, 0.0), axis=1)                 # [4, 16]: A[b, i, :]
-        y_i = tl.sum(a_i[:, :, None] * Y, axis=1)                        # [4, 16]: sum_k A[b, i, k] Y[b, k, :]
-        Y = tl.where(ri == i, tl.where(r == i, 1.0, 0.0)[None, None, :] - y_i[:, None, :], Y)
-    y01, y23 = tl.split(tl.permute(tl.reshape(Y, (2, 2, 16, 16)), (2, 3, 1, 0)))
-    y0, y1 = tl.split(y01)
-    y2, y3 = tl.split(y23)
-    return y0, y1, y2, y3
+def _dotp(a, b, PREC: tl.constexpr):
+    """fp32 a @ b for the triangular solve: PREC "bf16" rounds both operands to bfloat16, anything else is the
+    ``input_precision`` of an fp32 tensor-core product ("tf32", "tf32x3", "ieee")."""
+    if PREC == "bf16":
+        r = _dot(_rn(a, tl.bfloat16), _rn(b, tl.bfloat16), "ieee")
+    else:
+        r = tl.dot(a, b, input_precision=PREC)
+    return r
 
 
 @triton.jit
-def _kkt_block(acc, r_i, r_j, b_i, g_i, g_j, DIAG: tl.constexpr):
-    """beta_i * exp(g_i - g_j) * (k_i . k_j) (rows of block i, columns of block j), strictly lower on the diagonal."""
-    if DIAG:
-        o = tl.arange(0, 16)
-        m = o[:, None] > o[None, :]
-        d = tl.where(m, g_i[:, None] - g_j[None, :], 0.0)
-        a = tl.where(m, acc * (r_i * b_i)[:, None] * r_j[None, :] * tl.exp(d), 0.0)
-    else:
-        a = acc * (r_i * b_i)[:, None] * r_j[None, :] * tl.exp(g_i[:, None] - g_j[None, :])
-    return a
+def _unit_lower_inverse64(A, PREC: tl.constexpr):
+    """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A.
+
+    The four 16x16 diagonal blocks D_b are inverted by forward substitution, all four at once on a [4, 16, 16] stack
+    (15 sequential row steps). The stack is cut from A's rows, so each warp of the product's layout holds its own
+    block (no replicated work, no cross-warp traffic in the loop), and the inverses are kept transposed
+    (``YT[b, j, k] = Y_b[k, j]``) so the row taken out of D in each step already lies along the axis it is multiplied
+    over. With Dinv the block-diagonal inverse and L the blocks below the diagonal, I + A = D (I + M) with
+    M = Dinv L strictly block-lower (M^4 = 0), so (I + A)^-1 = (I - M + M^2 - M^3) Dinv: four 64x64 products."""
+    r16 = tl.arange(0, 16)
+    r4 = tl.arange(0, 4)
+    same_block = r4[:, None, None, None] == r4[None, None, :, None]
+    # A4[b, i, c, k] = A[16 b + i, 16 c + k]; the diagonal blocks are c == b
+    D = tl.sum(tl.where(same_block, tl.reshape(A, (4, 16, 4, 16)), 0.0), axis=2)     # [b, i, k] = D_b[i, k]
+    YT = tl.zeros([4, 16, 16], tl.float32) + tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)[None, :, :]
+    for i in range(1, 16):
+        a_i = tl.sum(tl.where(r16[None, :, None] == i, D, 0.0), axis=1)             # [b, k] = D_b[i, k]
+        y_i = tl.sum(a_i[:, None, :] * YT, axis=2)                                   # [b, j] = (D_b Y_b)[i, j]
+        YT = tl.where(r16[None, None, :] == i, tl.where(r16 == i, 1.0, 0.0)[None, :, None] - y_i[:, :, None], YT)
+    # Dinv[16 b + k, 16 c + j] = (b == c) Y_b[k, j]
+    Dinv = tl.reshape(tl.where(same_block, tl.permute(YT, (0, 2, 1))[:, :, None, :], 0.0), (64, 64))
+    r64 = tl.arange(0, 64)
+    L = tl.where((r64[:, None] // 16) > (r64[None, :] // 16), A, 0.0)
+    M = _dotp(Dinv, L, PREC)
+    M2 = _dotp(M, M, PREC)
+    X = tl.where(r64[:, None] == r64[None, :], 1.0, 0.0) - M + M2 - _dotp(M, M2, PREC)
+    return _dotp(X, Dinv, PREC)
+
+
+@triton.jit
+def _load_tile(ptr, rows, m, cols, mc, s_t):
+    return tl.load(ptr + rows[:, None] * s_t + cols[None, :], mask=m[:, None] & mc[None, :], other=0.0)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # kernel 1: cumsum + KK^T + solve + W/U
 # ----------------------------------------------------------------------------------------------------------------------
-@triton.jit
-def _tril_rows_product(src, s_t, cols, mcols, ta, tb, tc, td, ma, mb, mc, md, fa, fb, fc, fd,
-                       j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, dst, r, dst_row_stride,
-                       DT: tl.constexpr, PREC: tl.constexpr):
-    """``dst[rows, cols] = J @ (diag(f) src[rows, cols])`` for one chunk: J is the 64x64 lower-triangular inverse held
-    as 16x16 blocks ``j[row][col]``, the 64 rows come as four 16-row blocks (``t*`` row indices, ``m*`` masks, ``f*``
-    row factors). W and U of the prepare kernel are both this product (with different sources and factors)."""
-    xa = _rn((_load_rows(src, ta, ma, cols, mcols, s_t).to(tl.float32) * fa[:, None]), DT)
-    xb = _rn((_load_rows(src, tb, mb, cols, mcols, s_t).to(tl.float32) * fb[:, None]), DT)
-    xc = _rn((_load_rows(src, tc, mc, cols, mcols, s_t).to(tl.float32) * fc[:, None]), DT)
-    xd = _rn((_load_rows(src, td, md, cols, mcols, s_t).to(tl.float32) * fd[:, None]), DT)
-    ya = _dot(j00, xa, PREC)
-    yb = _dot(j11, xb, PREC)
-    yb = yb + _dot(j10, xa, PREC)
-    yc = _dot(j22, xc, PREC)
-    yc = yc + _dot(j21, xb, PREC)
-    yc = yc + _dot(j20, xa, PREC)
-    yd = _dot(j33, xd, PREC)
-    yd = yd + _dot(j32, xc, PREC)
-    yd = yd + _dot(j31, xb, PREC)
-    yd = yd + _dot(j30, xa, PREC)
-    p = dst + r[:, None] * dst_row_stride + cols[None, :]
-    tl.store(p, _rn(ya, dst.dtype.element_ty), mask=ma[:, None] & mcols[None, :])
-    tl.store(p + 16 * dst_row_stride, _rn(yb, dst.dtype.element_ty), mask=mb[:, None] & mcols[None, :])
-    tl.store(p + 32 * dst_row_stride, _rn(yc, dst.dtype.element_ty), mask=mc[:, None] & mcols[None, :])
-    tl.store(p + 48 * dst_row_stride, _rn(yd, dst.dtype.element_ty), mask=md[:, None] & mcols[None, :])
-
-
-@triton.jit
-def _load_rows(ptr, rows, m, cols, mc, s_t):
-    return tl.load(ptr + rows[:, None] * s_t + cols[None, :], mask=m[:, None] & mc[None, :], other=0.0)
-
-
 @triton.jit(do_not_specialize=["T"])
 def _chunk_prepare_kernel(
-    k, v, g, beta, gcum, ainv, w, u, chunk_indices, cu_seqlens, T,
+    k, v, g, beta, gcum, ainv, w, u, rk_out, chunk_indices, cu_seqlens, T,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, G_IS_CUM: tl.constexpr, STORE_G: tl.constexpr,
     STORE_A: tl.constexpr, LOAD_A: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    STORE_RK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    SKIP_SOLVE: tl.constexpr = False,
 ):
+    """One program per (chunk, value head): g_cum (chunk-local cumsum), A = strictLower(diag(beta r_k) (Gamma * K K^T)
+    diag(r_k)) with r_k the L2 row scalings, Ainv = (I + A)^-1 (stored as [64, 64] rows of the [B, T, HV, 64] buffer),
+    W = Ainv diag(beta exp(g) r_k) K, U = Ainv diag(beta) V; r_k stored per key head ([B, T, H] fp32) when asked.
+    LOAD_A: Ainv is read instead of computed (recompute of W / U)."""
     i_t = tl.program_id(0)
     i_hv = tl.program_id(1)
     n = tl.load(chunk_indices + 2 * i_t)
@@ -478,233 +470,118 @@ def _chunk_prepare_kernel(
     i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
     i_h = i_hv // (HV // H)
     t0 = bos + c.to(tl.int64) * 64
-    r = tl.arange(0, 16)
-    ta = t0 + r
-    tb = ta + 16
-    tc = ta + 32
-    td = ta + 48
-    ma = ta < eos
-    mb = tb < eos
-    mc = tc < eos
-    md = td < eos
+    to = tl.arange(0, 64)
+    rows = t0 + to
+    m = rows < eos
     tok0 = i_b * T  # row offset of this batch row in the [B, T, HV, ...] intermediates
+    trow = (tok0 + rows) * HV + i_hv
 
     # ---- gates: chunk-local cumulative sum (fp32) and beta
-    g_base = g + i_b * s_gb + i_hv * s_gh
-    ga = tl.load(g_base + ta * s_gt, mask=ma, other=0.0).to(tl.float32)
-    gb = tl.load(g_base + tb * s_gt, mask=mb, other=0.0).to(tl.float32)
-    gc = tl.load(g_base + tc * s_gt, mask=mc, other=0.0).to(tl.float32)
-    gd = tl.load(g_base + td * s_gt, mask=md, other=0.0).to(tl.float32)
+    b_g = tl.load(g + i_b * s_gb + i_hv * s_gh + rows * s_gt, mask=m, other=0.0).to(tl.float32)
     if not G_IS_CUM:
-        ga = tl.cumsum(ga, axis=0)
-        gb = tl.cumsum(gb, axis=0) + tl.max(tl.where(r == 15, ga, float("-inf")), axis=0)
-        gc = tl.cumsum(gc, axis=0) + tl.max(tl.where(r == 15, gb, float("-inf")), axis=0)
-        gd = tl.cumsum(gd, axis=0) + tl.max(tl.where(r == 15, gc, float("-inf")), axis=0)
+        b_g = tl.cumsum(b_g, axis=0)
     if STORE_G:
-        tl.store(gcum + (tok0 + ta) * HV + i_hv, ga, mask=ma)
-        tl.store(gcum + (tok0 + tb) * HV + i_hv, gb, mask=mb)
-        tl.store(gcum + (tok0 + tc) * HV + i_hv, gc, mask=mc)
-        tl.store(gcum + (tok0 + td) * HV + i_hv, gd, mask=md)
-    b_base = beta + i_b * s_bb + i_hv * s_bh
-    ba = tl.load(b_base + ta * s_bt, mask=ma, other=0.0).to(tl.float32)
-    bb = tl.load(b_base + tb * s_bt, mask=mb, other=0.0).to(tl.float32)
-    bc = tl.load(b_base + tc * s_bt, mask=mc, other=0.0).to(tl.float32)
-    bd = tl.load(b_base + td * s_bt, mask=md, other=0.0).to(tl.float32)
+        tl.store(gcum + trow, b_g, mask=m)
+    b_beta = tl.load(beta + i_b * s_bb + i_hv * s_bh + rows * s_bt, mask=m, other=0.0).to(tl.float32)
 
     k_base = k + i_b * s_kb + i_h * s_kh
-    ra = tl.full([16], 1.0, tl.float32)
-    rb = ra
-    rc = ra
-    rd = ra
-
+    a_ptr = ainv + trow[:, None] * 64 + to[None, :]
     if LOAD_A:
-        # (I + A)^-1 given (recompute of W / U only)
-        a_base = ainv + ((tok0 + t0) * HV + i_hv) * 64
-        ar = a_base + r[:, None] * (HV * 64) + r[None, :]
-        i00 = tl.load(ar, mask=ma[:, None], other=0.0).to(tl.float32)
-        i10 = tl.load(ar + 16 * HV * 64, mask=mb[:, None], other=0.0).to(tl.float32)
-        i11 = tl.load(ar + 16 * HV * 64 + 16, mask=mb[:, None], other=0.0).to(tl.float32)
-        i20 = tl.load(ar + 32 * HV * 64, mask=mc[:, None], other=0.0).to(tl.float32)
-        i21 = tl.load(ar + 32 * HV * 64 + 16, mask=mc[:, None], other=0.0).to(tl.float32)
-        i22 = tl.load(ar + 32 * HV * 64 + 32, mask=mc[:, None], other=0.0).to(tl.float32)
-        i30 = tl.load(ar + 48 * HV * 64, mask=md[:, None], other=0.0).to(tl.float32)
-        i31 = tl.load(ar + 48 * HV * 64 + 16, mask=md[:, None], other=0.0).to(tl.float32)
-        i32 = tl.load(ar + 48 * HV * 64 + 32, mask=md[:, None], other=0.0).to(tl.float32)
-        i33 = tl.load(ar + 48 * HV * 64 + 48, mask=md[:, None], other=0.0).to(tl.float32)
+        b_ai = tl.load(a_ptr, mask=m[:, None], other=0.0).to(tl.float32)
+        rk = tl.full([64], 1.0, tl.float32)
         if USE_L2:
-            sa = tl.zeros([16], tl.float32)
-            sb = tl.zeros([16], tl.float32)
-            sc = tl.zeros([16], tl.float32)
-            sd = tl.zeros([16], tl.float32)
+            ss = tl.zeros([64], tl.float32)
             for i_k in range(0, tl.cdiv(K, BK)):
                 ok = i_k * BK + tl.arange(0, BK)
-                mk = ok < K
-                xa = _load_rows(k_base, ta, ma, ok, mk, s_kt).to(tl.float32)
-                xb = _load_rows(k_base, tb, mb, ok, mk, s_kt).to(tl.float32)
-                xc = _load_rows(k_base, tc, mc, ok, mk, s_kt).to(tl.float32)
-                xd = _load_rows(k_base, td, md, ok, mk, s_kt).to(tl.float32)
-                sa += tl.sum(xa * xa, axis=1)
-                sb += tl.sum(xb * xb, axis=1)
-                sc += tl.sum(xc * xc, axis=1)
-                sd += tl.sum(xd * xd, axis=1)
-            ra = tl.rsqrt(sa + 1e-6)
-            rb = tl.rsqrt(sb + 1e-6)
-            rc = tl.rsqrt(sc + 1e-6)
-            rd = tl.rsqrt(sd + 1e-6)
+                kf = _load_tile(k_base, rows, m, ok, ok < K, s_kt).to(tl.float32)
+                ss += tl.sum(kf * kf, axis=1)
+            rk = tl.rsqrt(ss + 1e-6)
     else:
-        # ---- K K^T on 16-row tiles (10 lower blocks), and the squared norms of the rows
-        a00 = tl.zeros([16, 16], tl.float32)
-        a10 = tl.zeros([16, 16], tl.float32)
-        a11 = tl.zeros([16, 16], tl.float32)
-        a20 = tl.zeros([16, 16], tl.float32)
-        a21 = tl.zeros([16, 16], tl.float32)
-        a22 = tl.zeros([16, 16], tl.float32)
-        a30 = tl.zeros([16, 16], tl.float32)
-        a31 = tl.zeros([16, 16], tl.float32)
-        a32 = tl.zeros([16, 16], tl.float32)
-        a33 = tl.zeros([16, 16], tl.float32)
-        sa = tl.zeros([16], tl.float32)
-        sb = tl.zeros([16], tl.float32)
-        sc = tl.zeros([16], tl.float32)
-        sd = tl.zeros([16], tl.float32)
+        # ---- K K^T (one 64 x 64 product over K tiles) and the squared row norms
+        acc = tl.zeros([64, 64], tl.float32)
+        ss = tl.zeros([64], tl.float32)
         for i_k in range(0, tl.cdiv(K, BK)):
             ok = i_k * BK + tl.arange(0, BK)
-            mk = ok < K
-            xa = _load_rows(k_base, ta, ma, ok, mk, s_kt)
-            xb = _load_rows(k_base, tb, mb, ok, mk, s_kt)
-            xc = _load_rows(k_base, tc, mc, ok, mk, s_kt)
-            xd = _load_rows(k_base, td, md, ok, mk, s_kt)
+            b_k = _load_tile(k_base, rows, m, ok, ok < K, s_kt)
             if USE_L2:
-                fa = xa.to(tl.float32)
-                fb = xb.to(tl.float32)
-                fc = xc.to(tl.float32)
-                fd = xd.to(tl.float32)
-                sa += tl.sum(fa * fa, axis=1)
-                sb += tl.sum(fb * fb, axis=1)
-                sc += tl.sum(fc * fc, axis=1)
-                sd += tl.sum(fd * fd, axis=1)
-            xa = _rn(xa, DT)
-            xb = _rn(xb, DT)
-            xc = _rn(xc, DT)
-            xd = _rn(xd, DT)
-            a00 += _dot(xa, tl.trans(xa), PREC)
-            a10 += _dot(xb, tl.trans(xa), PREC)
-            a11 += _dot(xb, tl.trans(xb), PREC)
-            a20 += _dot(xc, tl.trans(xa), PREC)
-            a21 += _dot(xc, tl.trans(xb), PREC)
-            a22 += _dot(xc, tl.trans(xc), PREC)
-            a30 += _dot(xd, tl.trans(xa), PREC)
-            a31 += _dot(xd, tl.trans(xb), PREC)
-            a32 += _dot(xd, tl.trans(xc), PREC)
-            a33 += _dot(xd, tl.trans(xd), PREC)
+                kf = b_k.to(tl.float32)
+                ss += tl.sum(kf * kf, axis=1)
+            b_k = _rn(b_k, DT)
+            acc += _dot(b_k, tl.trans(b_k), PREC)
         if USE_L2:
-            ra = tl.rsqrt(sa + 1e-6)
-            rb = tl.rsqrt(sb + 1e-6)
-            rc = tl.rsqrt(sc + 1e-6)
-            rd = tl.rsqrt(sd + 1e-6)
-        a00 = _kkt_block(a00, ra, ra, ba, ga, ga, True)
-        a10 = _kkt_block(a10, rb, ra, bb, gb, ga, False)
-        a11 = _kkt_block(a11, rb, rb, bb, gb, gb, True)
-        a20 = _kkt_block(a20, rc, ra, bc, gc, ga, False)
-        a21 = _kkt_block(a21, rc, rb, bc, gc, gb, False)
-        a22 = _kkt_block(a22, rc, rc, bc, gc, gc, True)
-        a30 = _kkt_block(a30, rd, ra, bd, gd, ga, False)
-        a31 = _kkt_block(a31, rd, rb, bd, gd, gb, False)
-        a32 = _kkt_block(a32, rd, rc, bd, gd, gc, False)
-        a33 = _kkt_block(a33, rd, rd, bd, gd, gd, True)
-
-        # ---- (I + A)^-1: diagonal 16x16 blocks by forward substitution, then the block merge
-        i00, i11, i22, i33 = _tril_inv16x4(a00, a11, a22, a33)
-        i10 = -tl.dot(tl.dot(i11, a10, input_precision=SOLVE_PREC), i00, input_precision=SOLVE_PREC)
-        i21 = -tl.dot(tl.dot(i22, a21, input_precision=SOLVE_PREC), i11, input_precision=SOLVE_PREC)
-        i32 = -tl.dot(tl.dot(i33, a32, input_precision=SOLVE_PREC), i22, input_precision=SOLVE_PREC)
-        t20 = tl.dot(a20, i00, input_precision=SOLVE_PREC)
-        t20 = tl.dot(a21, i10, t20, input_precision=SOLVE_PREC)
-        i20 = -tl.dot(i22, t20, input_precision=SOLVE_PREC)
-        t31 = tl.dot(a31, i11, input_precision=SOLVE_PREC)
-        t31 = tl.dot(a32, i21, t31, input_precision=SOLVE_PREC)
-        i31 = -tl.dot(i33, t31, input_precision=SOLVE_PREC)
-        t30 = tl.dot(a30, i00, input_precision=SOLVE_PREC)
-        t30 = tl.dot(a31, i10, t30, input_precision=SOLVE_PREC)
-        t30 = tl.dot(a32, i20, t30, input_precision=SOLVE_PREC)
-        i30 = -tl.dot(i33, t30, input_precision=SOLVE_PREC)
-
+            rk = tl.rsqrt(ss + 1e-6)
+        else:
+            rk = tl.full([64], 1.0, tl.float32)
+        low = to[:, None] > to[None, :]
+        A = tl.where(low, acc * (b_beta * rk)[:, None] * rk[None, :] *
+                     tl.exp(tl.where(low, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+        if SKIP_SOLVE:  # timing experiments only (CONFIG["debug_skip_solve"]): wrong results
+            b_ai = A + tl.where(to[:, None] == to[None, :], 1.0, 0.0)
+        else:
+            b_ai = _unit_lower_inverse64(A, SOLVE_PREC)
         if STORE_A:
-            a_base = ainv + ((tok0 + t0) * HV + i_hv) * 64
-            ar = a_base + r[:, None] * (HV * 64) + r[None, :]
-            z = tl.zeros([16, 16], tl.float32)
-            tl.store(ar, _rn(i00, ainv.dtype.element_ty), mask=ma[:, None])
-            tl.store(ar + 16, _rn(z, ainv.dtype.element_ty), mask=ma[:, None])
-            tl.store(ar + 32, _rn(z, ainv.dtype.element_ty), mask=ma[:, None])
-            tl.store(ar + 48, _rn(z, ainv.dtype.element_ty), mask=ma[:, None])
-            ar = ar + 16 * HV * 64
-            tl.store(ar, _rn(i10, ainv.dtype.element_ty), mask=mb[:, None])
-            tl.store(ar + 16, _rn(i11, ainv.dtype.element_ty), mask=mb[:, None])
-            tl.store(ar + 32, _rn(z, ainv.dtype.element_ty), mask=mb[:, None])
-            tl.store(ar + 48, _rn(z, ainv.dtype.element_ty), mask=mb[:, None])
-            ar = ar + 16 * HV * 64
-            tl.store(ar, _rn(i20, ainv.dtype.element_ty), mask=mc[:, None])
-            tl.store(ar + 16, _rn(i21, ainv.dtype.element_ty), mask=mc[:, None])
-            tl.store(ar + 32, _rn(i22, ainv.dtype.element_ty), mask=mc[:, None])
-            tl.store(ar + 48, _rn(z, ainv.dtype.element_ty), mask=mc[:, None])
-            ar = ar + 16 * HV * 64
-            tl.store(ar, _rn(i30, ainv.dtype.element_ty), mask=md[:, None])
-            tl.store(ar + 16, _rn(i31, ainv.dtype.element_ty), mask=md[:, None])
-            tl.store(ar + 32, _rn(i32, ainv.dtype.element_ty), mask=md[:, None])
-            tl.store(ar + 48, _rn(i33, ainv.dtype.element_ty), mask=md[:, None])
+            tl.store(a_ptr, _rn(b_ai, ainv.dtype.element_ty), mask=m[:, None])
+    if STORE_RK:
+        tl.store(rk_out + (tok0 + rows) * H + i_h, rk, mask=m & (i_hv % (HV // H) == 0))
 
     if STORE_W or STORE_U:
-        j00 = _rn(i00, DT)
-        j10 = _rn(i10, DT)
-        j11 = _rn(i11, DT)
-        j20 = _rn(i20, DT)
-        j21 = _rn(i21, DT)
-        j22 = _rn(i22, DT)
-        j30 = _rn(i30, DT)
-        j31 = _rn(i31, DT)
-        j32 = _rn(i32, DT)
-        j33 = _rn(i33, DT)
+        b_j = _rn(b_ai, DT)
     if STORE_W:
         # W = Ainv @ (beta * exp(g_cum) * k_hat)
-        fa = ba * tl.exp(ga) * ra
-        fb = bb * tl.exp(gb) * rb
-        fc = bc * tl.exp(gc) * rc
-        fd = bd * tl.exp(gd) * rd
-        w_base = w + ((tok0 + t0) * HV + i_hv) * K
+        f = b_beta * tl.exp(b_g) * rk
         for i_k in range(0, tl.cdiv(K, BK)):
             ok = i_k * BK + tl.arange(0, BK)
             mk = ok < K
-            _tril_rows_product(k_base, s_kt, ok, mk, ta, tb, tc, td, ma, mb, mc, md, fa, fb, fc, fd,
-                               j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, w_base, r, HV * K, DT, PREC)
+            x = _rn(_load_tile(k_base, rows, m, ok, mk, s_kt).to(tl.float32) * f[:, None], DT)
+            tl.store(w + trow[:, None] * K + ok[None, :], _rn(_dot(b_j, x, PREC), w.dtype.element_ty),
+                     mask=m[:, None] & mk[None, :])
     if STORE_U:
         # U = Ainv @ (beta * v)
         v_base = v + i_b * s_vb + i_hv * s_vh
-        u_base = u + ((tok0 + t0) * HV + i_hv) * V
         for i_v in range(0, tl.cdiv(V, BV)):
             ov = i_v * BV + tl.arange(0, BV)
             mv = ov < V
-            _tril_rows_product(v_base, s_vt, ov, mv, ta, tb, tc, td, ma, mb, mc, md, ba, bb, bc, bd,
-                               j00, j10, j11, j20, j21, j22, j30, j31, j32, j33, u_base, r, HV * V, DT, PREC)
+            x = _rn(_load_tile(v_base, rows, m, ov, mv, s_vt).to(tl.float32) * b_beta[:, None], DT)
+            tl.store(u + trow[:, None] * V + ov[None, :], _rn(_dot(b_j, x, PREC), u.dtype.element_ty),
+                     mask=m[:, None] & mv[None, :])
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _row_rnorm_kernel(x, out, n_rows, T, s_b, s_t, s_h, H: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
+                      BK: tl.constexpr):
+    """out[b, t, h] = 1 / sqrt(sum_k x[b, t, h, k]^2 + 1e-6) for x [B, T, H, K] (strided), out fp32 [B, T, H]."""
+    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m = r < n_rows
+    i_h = r % H
+    i_t = (r // H) % T
+    i_b = r // (H * T)
+    base = x + i_b * s_b + i_t * s_t + i_h * s_h
+    ss = tl.zeros([BR], tl.float32)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        ok = i_k * BK + tl.arange(0, BK)
+        xf = tl.load(base[:, None] + ok[None, :], mask=m[:, None] & (ok < K)[None, :], other=0.0).to(tl.float32)
+        ss += tl.sum(xf * xf, axis=1)
+    tl.store(out + r, tl.rsqrt(ss + 1e-6), mask=m)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # kernel 2: sequential state pass (per segment of chunks)
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _dot_h(a, h, DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr):
-    """a @ h for an fp32 state h: with SPLIT_H (half-precision DT), h = hi + lo in two half-precision parts, so the
-    product is nearly fp32-exact at twice the tensor-core work (this product is subtracted from v: cancellation)."""
-    h_hi = _rn(h, DT)
-    r = _dot(a, h_hi, PREC)
+def _dot_h(a, h, h_dt, DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr):
+    """a @ h for an fp32 state h (``h_dt`` = h rounded to DT): with SPLIT_H (half-precision DT), h = hi + lo in two
+    half-precision parts, so the product is nearly fp32-exact at twice the tensor-core work (this product is
+    subtracted from v: cancellation)."""
+    r = _dot(a, h_dt, PREC)
     if SPLIT_H:
-        r += _dot(a, _rn((h - h_hi.to(tl.float32)), DT), PREC)
+        r += _dot(a, _rn((h - h_dt.to(tl.float32)), DT), PREC)
     return r
 
 
 @triton.jit(do_not_specialize=["T", "P0", "P1"])
 def _chunk_state_kernel(
-    k, v, beta, ainv, w, u, gcum, h_out, vnew, h0, ht, h0_idx, ht_idx, segments, chunk_offsets, cu_seqlens,
-    q, o, o_idx, T, P0, P1, NV, PO, scale,
+    k, v, beta, ainv, w, u, gcum, rk_in, h_out, vnew, h0, ht, h0_idx, ht_idx, segments, chunk_offsets, cu_seqlens,
+    q, rq_in, o, o_idx, T, P0, P1, NV, PO, scale,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
     s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, s_qb, s_qt, s_qh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
@@ -717,16 +594,19 @@ def _chunk_state_kernel(
 ):
     """State h [K, V-tile] of one (segment, value head), fp32 in registers, over the segment's chunks.
 
-    Per chunk: v_new = U - W h, either from stored w/u (FROM_AINV=False) or, with FROM_AINV, directly as
-    v_new = Ainv @ (beta * (v - (exp(g_cum) k_hat) @ h)) (no w/u round trip, better precision); then
-    h = exp(g_last) h + (exp(g_last - g_cum) k_hat)^T v_new.
+    Per chunk (r_k = L2 row scalings of k, read from ``rk_in`` [B, T, H]; k itself goes into the products raw, the
+    row factors are applied to the [64, BV] sides):
+    v_new = U - W h from stored w/u (FROM_AINV=False), or with FROM_AINV
+    v_new = Ainv @ (beta * (v - diag(exp(g_cum) r_k) (k @ h))) (no w/u round trip, better precision);
+    h = exp(g_last) h + k^T (diag(exp(g_last - g_cum) r_k) v_new).
     INIT: 0 = zeros, 1 = from h0 (row = segment or sequence, optionally through h0_idx with -1/out-of-range = zeros),
     2 = identity (transition matrix; then V == K and HAS_U is False: v / u are taken as zero),
     3 = both passes of a segmented run in one launch: programs i_v < NV run the local pass from zero (final -> ht,
     row = segment), programs i_v >= NV the transition matrix from the identity without v (final -> h0, row =
     segment, with h0's strides).
     FUSE_OUT: also write the output o of every chunk (as the output kernel does) from the state in registers, so
-    that neither h nor v_new goes through memory (O_INDEXED: zeros for sequences whose o_idx row is invalid).
+    that neither h nor v_new goes through memory (O_INDEXED: zeros for sequences whose o_idx row is invalid);
+    r_q is read from ``rq_in`` [B, T, H].
     """
     i_v = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -767,12 +647,16 @@ def _chunk_state_kernel(
         h = tl.where((ok[:, None] == ov[None, :]) & m_kv & is_t, 1.0, 0.0)
     else:
         h = tl.zeros([KP, BV], tl.float32)
+    if O_INDEXED:
+        oi = tl.load(o_idx + n)
+        o_ok = (oi >= 0) & (oi < PO)
 
     choff = tl.load(chunk_offsets + n).to(tl.int64)
     k_base = k + i_b * s_kb + i_h * s_kh
     v_base = v + i_b * s_vb + i_hv * s_vh
     b_base = beta + i_b * s_bb + i_hv * s_bh
     to = tl.arange(0, 64)
+    causal = to[:, None] >= to[None, :]
     for c in range(c_beg.to(tl.int64), c_end.to(tl.int64)):
         t0 = bos + c * 64
         rows = t0 + to
@@ -784,55 +668,49 @@ def _chunk_state_kernel(
         b_g = tl.load(gcum + trow, mask=m, other=0.0)
         last = tl.minimum(t0 + 64, eos) - 1
         g_last = tl.load(gcum + (tok0 + last) * HV + i_hv)
-        b_k = tl.load(k_base + rows[:, None] * s_kt + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0)
-        kf = b_k.to(tl.float32)
+        b_k = _rn(tl.load(k_base + rows[:, None] * s_kt + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
         if USE_L2:
-            rk = tl.rsqrt(tl.sum(kf * kf, axis=1) + 1e-6)
+            rk = tl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
         else:
-            rk = tl.full([64], 1.0, tl.float32)
+            rk = tl.where(m, 1.0, 0.0)
+        h_dt = _rn(h, DT)
         if FROM_AINV:
-            b_kg = _rn((kf * (tl.exp(b_g) * rk)[:, None]), DT)
-            b_r = -_dot_h(b_kg, h, DT, PREC, SPLIT_H)
+            b_r = -_dot_h(b_k, h, h_dt, DT, PREC, SPLIT_H) * (tl.exp(b_g) * rk)[:, None]
             if HAS_U:
                 b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
                                other=0.0).to(tl.float32)
             b_beta = tl.load(b_base + rows * s_bt, mask=m, other=0.0).to(tl.float32)
-            b_r = b_r * b_beta[:, None]
             b_a = _rn(tl.load(ainv + trow[:, None] * 64 + to[None, :], mask=m[:, None], other=0.0), DT)
-            b_v = _dot(b_a, _rn(b_r, DT), PREC)
+            b_v = _dot(b_a, _rn(b_r * b_beta[:, None], DT), PREC)
         else:
             b_w = _rn(tl.load(w + trow[:, None] * K + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
-            b_v = -_dot_h(b_w, h, DT, PREC, SPLIT_H)
+            b_v = -_dot_h(b_w, h, h_dt, DT, PREC, SPLIT_H)
             if HAS_U:
                 b_v += tl.load(u + trow[:, None] * V + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
                                other=0.0).to(tl.float32)
         if STORE_VNEW:
             tl.store(vnew + trow[:, None] * V + ov[None, :], _rn(b_v, vnew.dtype.element_ty),
                      mask=m[:, None] & mv[None, :])
+        b_vd = _rn(b_v, DT)
         if FUSE_OUT:
             # o = scale * (diag(exp(g) r_q) (q @ h) + ((q k^T) * r_q r_k^T * Gamma, causal) @ v_new)
-            b_q = tl.load(q + i_b * s_qb + i_h * s_qh + rows[:, None] * s_qt + ok[None, :],
-                          mask=m[:, None] & mk[None, :], other=0.0)
+            b_q = _rn(tl.load(q + i_b * s_qb + i_h * s_qh + rows[:, None] * s_qt + ok[None, :],
+                              mask=m[:, None] & mk[None, :], other=0.0), DT)
             if USE_L2:
-                qf = b_q.to(tl.float32)
-                rq = tl.rsqrt(tl.sum(qf * qf, axis=1) + 1e-6) * scale
+                rq = tl.load(rq_in + (tok0 + rows) * H + i_h, mask=m, other=0.0) * scale
             else:
                 rq = tl.full([64], 1.0, tl.float32) * scale
-            b_q = _rn(b_q, DT)
-            b_o = _dot(b_q, _rn(h, DT), PREC) * (rq * tl.exp(b_g))[:, None]
-            qk = _dot(b_q, tl.trans(_rn(b_k, DT)), PREC)
-            causal = (to[:, None] >= to[None, :]) & m[:, None]
-            dd = tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)
-            att = tl.where(causal, qk * tl.exp(dd) * rq[:, None] * rk[None, :], 0.0)
-            b_o += _dot(_rn(att, DT), _rn(b_v, DT), PREC)
+            b_o = _dot(b_q, h_dt, PREC) * (rq * tl.exp(b_g))[:, None]
+            qk = _dot(b_q, tl.trans(b_k), PREC)
+            att = tl.where(causal, qk * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)) *
+                           rq[:, None] * rk[None, :], 0.0)
+            b_o += _dot(_rn(att, DT), b_vd, PREC)
             if O_INDEXED:
-                oi = tl.load(o_idx + n)
-                b_o = tl.where((oi >= 0) & (oi < PO), b_o, 0.0)
+                b_o = tl.where(o_ok, b_o, 0.0)
             tl.store(o + i_b * s_ob + i_hv * s_oh + rows[:, None] * s_ot + ov[None, :], _rn(b_o, o.dtype.element_ty),
                      mask=m[:, None] & mv[None, :])
         dec = tl.where(m, tl.exp(g_last - b_g), 0.0) * rk
-        b_kd = _rn((kf * dec[:, None]), DT)
-        h = h * tl.exp(g_last) + _dot(tl.trans(b_kd), _rn(b_v, DT), PREC)
+        h = h * tl.exp(g_last) + _dot(tl.trans(b_k), _rn(b_v * dec[:, None], DT), PREC)
 
     if INIT == 3:
         rs = i_s.to(tl.int64)
@@ -921,13 +799,14 @@ def _chunk_merge_kernel(
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["T", "P0"])
 def _chunk_output_kernel(
-    q, k, vnew, h, gcum, o, chunk_indices, chunk_offsets, cu_seqlens, seq_idx, T, P0, scale,
+    q, k, vnew, h, gcum, rq_in, rk_in, o, chunk_indices, chunk_offsets, cu_seqlens, seq_idx, T, P0, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_IDX: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """o[chunk, V tile] = scale * (diag(exp(g) r_q) (q @ h) + ((q k^T) * r_q r_k^T * Gamma, causal) @ v_new), with
-    the K dimension in BK tiles (the row scalings r = L2 norms and exp(g) are applied after the products)."""
+    the K dimension in BK tiles; the L2 row scalings r_q, r_k come from ``rq_in`` / ``rk_in`` [B, T, H] fp32 and are
+    applied after the products."""
     i_v = tl.program_id(0)
     i_t = tl.program_id(1)
     i_hv = tl.program_id(2)
@@ -953,27 +832,19 @@ def _chunk_output_kernel(
         h_base = h + ((tl.load(chunk_offsets + n).to(tl.int64) + c) * HV + i_hv) * (K * V) + ov[None, :]
         acc = tl.zeros([64, BV], tl.float32)
         qk = tl.zeros([64, 64], tl.float32)
-        sq = tl.zeros([64], tl.float32)
-        sk = tl.zeros([64], tl.float32)
         for i_k in range(0, tl.cdiv(K, BK)):
             ok = i_k * BK + tl.arange(0, BK)
             mk = ok < K
-            b_q = tl.load(q_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0)
-            b_k = tl.load(k_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0)
-            if USE_L2:
-                qf = b_q.to(tl.float32)
-                kf = b_k.to(tl.float32)
-                sq += tl.sum(qf * qf, axis=1)
-                sk += tl.sum(kf * kf, axis=1)
-            b_q = _rn(b_q, DT)
+            b_q = _rn(tl.load(q_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
+            b_k = _rn(tl.load(k_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
             b_h = _rn(tl.load(h_base + ok[:, None] * V, mask=mk[:, None] & mv[None, :], other=0.0), DT)
             acc += _dot(b_q, b_h, PREC)
-            qk += _dot(b_q, tl.trans(_rn(b_k, DT)), PREC)
+            qk += _dot(b_q, tl.trans(b_k), PREC)
         trow = (tok0 + rows) * HV + i_hv
         b_g = tl.load(gcum + trow, mask=m, other=0.0)
         if USE_L2:
-            rq = tl.rsqrt(sq + 1e-6) * scale
-            rk = tl.rsqrt(sk + 1e-6)
+            rq = tl.load(rq_in + (tok0 + rows) * H + i_h, mask=m, other=0.0) * scale
+            rk = tl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
         else:
             rq = tl.full([64], 1.0, tl.float32) * scale
             rk = tl.full([64], 1.0, tl.float32)
@@ -1012,11 +883,36 @@ def _check_chunk_size(chunk_size):
         raise ValueError(f"chunk_size: the Triton kernels support chunk_size = {CHUNK_SIZE}, got {chunk_size}")
 
 
+def _solve_precision(dt: torch.dtype, store_dtype: torch.dtype) -> str:
+    """Precision of the 64x64 products of the triangular solve: CONFIG["solve_precision"], where "auto" means tf32
+    when the result is stored in half precision from half inputs (the forward), else tf32x3 (~fp32)."""
+    p = CONFIG["solve_precision"]
+    if p != "auto":
+        return p
+    half = (torch.bfloat16, torch.float16)
+    return "tf32" if (dt in half and store_dtype in half) else "tf32x3"
+
+
+def row_rnorm(x: torch.Tensor) -> torch.Tensor:
+    """1 / sqrt(|x_row|^2 + 1e-6) of x [B, T, H, K] (strided, last dim contiguous) -> fp32 [B, T, H] (contiguous):
+    the L2 row scalings of q or k that the kernels apply after their products."""
+    B, T, H, K = x.shape
+    out = torch.empty(B, T, H, device=x.device, dtype=torch.float32)
+    n = B * T * H
+    if n == 0:
+        return out
+    BR = 64
+    _launch(_row_rnorm_kernel, (triton.cdiv(n, BR),), x, out, n, T, *_strides3(x), H=H, K=K, BR=BR,
+            BK=min(128, _pow2(K)), num_warps=4)
+    return out
+
+
 def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
                       use_qk_l2norm_in_kernel: bool = False, *, store_ainv: bool = True, store_wu: bool = True,
                       g_is_cumsum: bool = False, out_dtype: Optional[torch.dtype] = None,
-                      chunk_index: Optional[ChunkIndex] = None, ainv_dtype: torch.dtype = torch.float32):
+                      chunk_index: Optional[ChunkIndex] = None, ainv_dtype: torch.dtype = torch.float32,
+                      rk: Optional[torch.Tensor] = None):
     """Fused cumsum + K K^T + triangular solve + W/U.
 
     k [B, T, H, K], v [B, T, HV, V] (strided, last dim contiguous), g, beta [B, T, HV] (any float dtype; g log-space,
@@ -1024,6 +920,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     Returns ``(g_cum [B, T, HV] fp32, Ainv [B, T, HV, 64] (``ainv_dtype``, default fp32) or None,
     w [B, T, HV, K] or None, u [B, T, HV, V] or None)``; w/u in ``out_dtype`` (default: the tensor-core dtype of k/v,
     i.e. bf16 for bf16 inputs). Ainv row t holds row (t - chunk start) of its chunk's (I + A)^-1 (no beta factor).
+    ``rk``: optional fp32 [B, T, H] buffer that receives the L2 row scalings 1 / |k_t| (with the L2 norm on).
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
@@ -1043,13 +940,17 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     dummy = g_cum
     BK = min(int(CONFIG["prepare_BK"]), _pow2(K))
     BV = min(int(CONFIG["prepare_BV"]), _pow2(V))
+    store_rk = rk is not None and bool(use_qk_l2norm_in_kernel)
     _launch(_chunk_prepare_kernel, (ci.NT, HV),
         k, v, g, beta, g_cum, ainv if ainv is not None else dummy, w if w is not None else dummy,
-        u if u is not None else dummy, ci.chunk_indices, _cu_arg(cu_seqlens, ci.chunk_offsets), T,
+        u if u is not None else dummy, rk if store_rk else dummy, ci.chunk_indices,
+        _cu_arg(cu_seqlens, ci.chunk_offsets), T,
         *_strides3(k), *_strides3(v), *_strides3(g), *_strides3(beta),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
         G_IS_CUM=bool(g_is_cumsum), STORE_G=store_g, STORE_A=store_ainv, LOAD_A=False, STORE_W=store_wu,
-        STORE_U=store_wu, DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"], SOLVE_PREC=CONFIG["solve_precision"],
+        STORE_U=store_wu, STORE_RK=store_rk, DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"],
+        SOLVE_PREC=_solve_precision(dt, ainv_dtype if store_ainv else out_dtype),
+        SKIP_SOLVE=bool(CONFIG["debug_skip_solve"]),
         num_warps=int(CONFIG["prepare_warps"]), num_stages=int(CONFIG["prepare_stages"]),
         maxnreg=CONFIG["prepare_maxnreg"],
     )
@@ -1126,11 +1027,11 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: to
     BK = min(int(CONFIG["prepare_BK"]), _pow2(K))
     BV = min(int(CONFIG["prepare_BV"]), _pow2(V))
     _launch(_chunk_prepare_kernel, (ci.NT, HV),
-        k, v, g_cum, beta, g_cum, ainv, w, u, ci.chunk_indices, _cu_arg(cu_seqlens, ci.chunk_offsets), T,
+        k, v, g_cum, beta, g_cum, ainv, w, u, g_cum, ci.chunk_indices, _cu_arg(cu_seqlens, ci.chunk_offsets), T,
         *_strides3(k), *_strides3(v), *_strides3(g_cum), *_strides3(beta),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
-        G_IS_CUM=True, STORE_G=False, STORE_A=False, LOAD_A=True, STORE_W=True, STORE_U=True,
-        DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"], SOLVE_PREC=CONFIG["solve_precision"],
+        G_IS_CUM=True, STORE_G=False, STORE_A=False, LOAD_A=True, STORE_W=True, STORE_U=True, STORE_RK=False,
+        DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"], SOLVE_PREC="ieee",
         num_warps=int(CONFIG["prepare_warps"]), num_stages=int(CONFIG["prepare_stages"]),
         maxnreg=CONFIG["prepare_maxnreg"],
     )
@@ -1154,7 +1055,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                      store_h: bool = True, store_vnew: bool = True, state_layout: str = "v_last",
                      final_state: Optional[torch.Tensor] = None, state_indices: Optional[torch.Tensor] = None,
                      segment_chunks: Optional[int] = None, chunk_index: Optional[ChunkIndex] = None,
-                     dot_dtype: Optional[torch.dtype] = None, split_h: Optional[bool] = None, _fuse=None):
+                     dot_dtype: Optional[torch.dtype] = None, split_h: Optional[bool] = None,
+                     rk: Optional[torch.Tensor] = None, _fuse=None):
     """The sequential inter-chunk pass.
 
     k [B, T, H, K] (raw; L2-normalised in-kernel when asked), g_cum [B, T, HV] fp32, and either
@@ -1169,6 +1071,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
     ``segment_chunks``: None = heuristic / CONFIG, -1 = never segment, n > 0 = segments of n chunks.
     ``split_h``: compute the h product of v_new as hi + lo half-precision parts (default: CONFIG["state_split_h"]).
+    ``rk``: the L2 row scalings of k (fp32 [B, T, H], from :func:`row_rnorm` or the prepare kernel); computed here
+    when the L2 norm is on and none is given.
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
@@ -1193,7 +1097,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     if ci.N == 0 or HV == 0:
         return h, v_new, ht
     KP = _pow2(K)
-    BV = _state_bv(K, V)
+    BV = _state_bv(K, V, fused=_fuse is not None)
     seg = choose_segment_len(ci, HV, V, BV, dev, force=segment_chunks, K=K)
     plan = plan_segments(ci, seg, dev)
     dummy = g_cum
@@ -1209,16 +1113,25 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     fz = _fuse or {}
     if _fuse is not None:
         dt = _dot_dtype(fz["q"], k, v) if from_ainv else _dot_dtype(fz["q"], k, w)
+    l2 = bool(use_qk_l2norm_in_kernel)
+    if l2 and rk is None:
+        rk = row_rnorm(k)
+    rk_arg = rk if l2 else dummy
+    rq_arg = dummy
+    if _fuse is not None and l2:
+        rq_arg = fz.get("rq")
+        if rq_arg is None:
+            rq_arg = row_rnorm(fz["q"])
 
     def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, fuse=False, **flags):
         fq, fo = (fz["q"], fz["o"]) if fuse else (k, dummy)
         fidx = fz.get("o_idx") if fuse else None
         _launch(_chunk_state_kernel, (triton.cdiv(Vd, bv) + n_extra, HV, S),
-                k, vv, bb, aa, ww, uu, g_cum, h_out if h_out is not None else dummy,
+                k, vv, bb, aa, ww, uu, g_cum, rk_arg, h_out if h_out is not None else dummy,
                 vn_out if vn_out is not None else dummy, h0 if h0 is not None else dummy,
                 ht_ if ht_ is not None else dummy, h0_idx if h0_idx is not None else ci.chunk_offsets,
                 ht_idx if ht_idx is not None else ci.chunk_offsets, plan.segments, ci.chunk_offsets, cu,
-                fq, fo, fidx if fidx is not None else ci.chunk_offsets, T, P0, P1, triton.cdiv(Vd, bv),
+                fq, rq_arg, fo, fidx if fidx is not None else ci.chunk_offsets, T, P0, P1, triton.cdiv(Vd, bv),
                 int(fz.get("pool_size", 0)), float(fz.get("scale", 1.0)),
                 *_strides3(k), *sv, *sb, *s0, *s1, *_strides3(fq), *(_strides3(fo) if fuse else (0, 0, 0)),
                 H=H, HV=HV, K=K, V=Vd, KP=KP, BV=bv, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
@@ -1256,7 +1169,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         idx if idx is not None else ci.chunk_offsets, idx if idx is not None else ci.chunk_offsets,
         trans, hloc, hs, plan.seg_offsets, P, P1, *s0, *s1, HV=HV, K=K, V=V, BK=BKM, BV=BVM,
         HAS_H0=initial_state is not None, H0_INDEXED=idx is not None, STORE_FINAL=ht is not None,
-        HT_INDEXED=idx is not None, PREC=CONFIG["solve_precision"], num_warps=int(CONFIG["merge_warps"]))
+        HT_INDEXED=idx is not None, PREC=CONFIG["merge_precision"], num_warps=int(CONFIG["merge_warps"]))
     launch(V, BV, S, h, v_new, hs, None, None, None, S, 0, vl, zero4, fuse=_fuse is not None, INIT=1,
            H0_BY_SEG=True, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=False, HT_INDEXED=False)
     return h, v_new, ht
@@ -1269,7 +1182,8 @@ def chunk_state_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
                        w: Optional[torch.Tensor] = None, u: Optional[torch.Tensor] = None,
                        out_dtype: Optional[torch.dtype] = None, state_layout: str = "v_last",
                        final_state: Optional[torch.Tensor] = None, state_indices: Optional[torch.Tensor] = None,
-                       segment_chunks: Optional[int] = None, chunk_index: Optional[ChunkIndex] = None):
+                       segment_chunks: Optional[int] = None, chunk_index: Optional[ChunkIndex] = None,
+                       rq: Optional[torch.Tensor] = None, rk: Optional[torch.Tensor] = None):
     """State pass with the output fused in (``CONFIG["fuse_output"]``): returns ``(o [B, T, HV, V], final)``;
     neither h nor v_new is written to memory. Arguments as :func:`chunk_state_pass` / :func:`chunk_output`
     (``ainv``/``v``/``beta``, or ``w``/``u`` with ``ainv=None``)."""
@@ -1277,13 +1191,13 @@ def chunk_state_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
     HV, V = v.shape[2], v.shape[3]
     o = _empty(B, T, HV, V, device=q.device, dtype=out_dtype or v.dtype)
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
-    fuse = dict(q=q, o=o, scale=scale, o_idx=state_indices, pool_size=P)
+    fuse = dict(q=q, o=o, scale=scale, o_idx=state_indices, pool_size=P, rq=rq)
     from_ainv = ainv is not None
     _, _, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
                                 use_qk_l2norm_in_kernel, v=v if from_ainv else None, beta=beta if from_ainv else None,
                                 ainv=ainv, store_h=False, store_vnew=False, state_layout=state_layout,
                                 final_state=final_state, state_indices=state_indices, segment_chunks=segment_chunks,
-                                chunk_index=chunk_index, _fuse=fuse)
+                                chunk_index=chunk_index, rk=rk, _fuse=fuse)
     return o, ht
 
 
@@ -1291,7 +1205,8 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
                  scale: float, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
                  use_qk_l2norm_in_kernel: bool = False, *, out_dtype: Optional[torch.dtype] = None,
                  state_indices: Optional[torch.Tensor] = None, pool_size: int = 0,
-                 chunk_index: Optional[ChunkIndex] = None) -> torch.Tensor:
+                 chunk_index: Optional[ChunkIndex] = None, rq: Optional[torch.Tensor] = None,
+                 rk: Optional[torch.Tensor] = None) -> torch.Tensor:
     """o = scale * ((exp(g_cum) q_hat) @ h + ((q_hat k_hat^T) * Gamma, causal) @ v_new), [B, T, HV, V].
 
     q, k [B, T, H, K] raw (strided ok); v_new [B, T, HV, V]; h [NT, HV, K, V] (start state of every chunk);
@@ -1308,8 +1223,14 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
         return o
     dt = _dot_dtype(q, k, v_new)
     BV = min(int(CONFIG["output_BV"]), _pow2(V))
+    l2 = bool(use_qk_l2norm_in_kernel)
+    if l2:
+        rq = row_rnorm(q) if rq is None else rq
+        rk = row_rnorm(k) if rk is None else rk
+    else:
+        rq = rk = g_cum
     _launch(_chunk_output_kernel, (triton.cdiv(V, BV), ci.NT, HV),
-        q, k, v_new, h, g_cum, o, ci.chunk_indices, ci.chunk_offsets, _cu_arg(cu_seqlens, ci.chunk_offsets),
+        q, k, v_new, h, g_cum, rq, rk, o, ci.chunk_indices, ci.chunk_offsets, _cu_arg(cu_seqlens, ci.chunk_offsets),
         state_indices if state_indices is not None else ci.chunk_offsets, T, pool_size, float(scale),
         *_strides3(q), *_strides3(k), *_strides3(o),
         H=H, HV=HV, K=K, V=V, BK=min(int(CONFIG["output_BK"]), _pow2(K)), BV=BV,
@@ -1334,15 +1255,19 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     dt = _dot_dtype(k, v)
     from_ainv = CONFIG["state_mode"] == "ainv"
     a_dtype = torch.float32 if (store_ainv or CONFIG["ainv_dtype"] == "fp32") else dt
+    l2 = bool(use_qk_l2norm_in_kernel)
+    rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
+    rq = row_rnorm(q) if l2 else None
     g_cum, ainv, w, u = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                                           store_ainv=store_ainv or from_ainv, store_wu=not from_ainv,
-                                          chunk_index=ci, ainv_dtype=a_dtype)
+                                          chunk_index=ci, ainv_dtype=a_dtype, rk=rk)
     # fp32 operands with the output fused in need too much shared memory for large K: fused only for half inputs
     if CONFIG["fuse_output"] and _dot_dtype(q, k, v) != torch.float32:
         o, ht = chunk_state_output(q, k, v, beta, ainv if from_ainv else None, g_cum, scale, initial_state,
                                    output_final_state, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, w=w, u=u,
                                    out_dtype=v.dtype, state_layout=state_layout, final_state=final_state,
-                                   state_indices=state_indices, segment_chunks=segment_chunks, chunk_index=ci)
+                                   state_indices=state_indices, segment_chunks=segment_chunks, chunk_index=ci,
+                                   rq=rq, rk=rk)
         return o, ht, dict(g_cum=g_cum, ainv=ainv, h=None, v_new=None, chunk_index=ci)
     if h_dtype is None:
         h_dtype = torch.float32 if CONFIG["h_dtype"] == "fp32" else dt
@@ -1350,17 +1275,18 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                     use_qk_l2norm_in_kernel, v=v if from_ainv else None,
                                     beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,
                                     h_dtype=h_dtype, state_layout=state_layout, final_state=final_state,
-                                    state_indices=state_indices, segment_chunks=segment_chunks, chunk_index=ci)
+                                    state_indices=state_indices, segment_chunks=segment_chunks, chunk_index=ci,
+                                    rk=rk)
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     o = chunk_output(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
-                     out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci)
+                     out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rq=rq, rk=rk)
     return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci)
 
 
 __all__ = [
     "CONFIG", "set_config", "config_override", "bench_configs", "ChunkIndex", "prepare_chunk_indices",
     "chunk_local_cumsum", "chunk_fwd_prepare", "chunk_scaled_dot_kkt_solve", "recompute_w_u", "chunk_state_pass",
-    "chunk_output", "chunk_state_output", "chunk_gated_delta_rule_fwd",
+    "chunk_output", "chunk_state_output", "chunk_gated_delta_rule_fwd", "row_rnorm",
 ]
 
 
@@ -1448,22 +1374,31 @@ def sweep(shapes=None, configs=None, K=128, V=128, iters=10, stages=False, file=
 
 
 def _stage_times(q, k, v, g, beta, h0, cu, iters):
-    """ms of prepare / state pass / output for the current config (default state mode)."""
+    """ms of the forward's launches for the current config: prepare (with r_k), the q row norms, and either the fused
+    state + output pass (``t_state_out``) or the state pass and the output kernel."""
     B, T, H, K = q.shape
     ci = prepare_chunk_indices(cu, T, CHUNK_SIZE, B, device=q.device)
     dt = _dot_dtype(k, v)
     from_ainv = CONFIG["state_mode"] == "ainv"
+    rk = torch.empty(B, T, H, device=q.device, dtype=torch.float32)
     prep = lambda: chunk_fwd_prepare(k, v, g, beta, cu, CHUNK_SIZE, True, store_ainv=from_ainv,  # noqa: E731
-                                     store_wu=not from_ainv, chunk_index=ci, ainv_dtype=dt)
+                                     store_wu=not from_ainv, chunk_index=ci, ainv_dtype=dt, rk=rk)
     g_cum, ainv, w, u = prep()
+    rq = row_rnorm(q)
+    res = dict(t_prepare=_time_ms(prep, iters=iters), t_rnorm_q=_time_ms(lambda: row_rnorm(q), iters=iters))
+    if CONFIG["fuse_output"]:
+        so = lambda: chunk_state_output(q, k, v, beta, ainv if from_ainv else None, g_cum, K ** -0.5, h0, True,  # noqa
+                                        cu, CHUNK_SIZE, True, w=w, u=u, out_dtype=v.dtype, chunk_index=ci, rq=rq, rk=rk)
+        res["t_state_out"] = _time_ms(so, iters=iters)
+        return res
     hd = torch.float32 if CONFIG["h_dtype"] == "fp32" else dt
     state = lambda: chunk_state_pass(k, w, u, g_cum, h0, True, cu, CHUNK_SIZE, True, v=v if from_ainv else None,  # noqa
-                                     beta=beta if from_ainv else None, ainv=ainv, h_dtype=hd, chunk_index=ci)
+                                     beta=beta if from_ainv else None, ainv=ainv, h_dtype=hd, chunk_index=ci, rk=rk)
     h, v_new, _ = state()
     outp = lambda: chunk_output(q, k, v_new, h, g_cum, K ** -0.5, cu, CHUNK_SIZE, True, out_dtype=v.dtype,  # noqa
-                                chunk_index=ci)
-    return dict(t_prepare=_time_ms(prep, iters=iters), t_state=_time_ms(state, iters=iters),
-                t_output=_time_ms(outp, iters=iters))
+                                chunk_index=ci, rq=rq, rk=rk)
+    res.update(t_state=_time_ms(state, iters=iters), t_output=_time_ms(outp, iters=iters))
+    return res
 
 
 def _main(argv=None):
@@ -1494,4 +1429,8 @@ def _main(argv=None):
 
 
 if __name__ == "__main__":
-    _main()
+    # run the sweep in the imported module, so that CONFIG changes reach the public op (python -m loads this file a
+    # second time as __main__, with its own CONFIG)
+    from gdn.kernels import chunk_fwd as _mod
+
+    _mod._main()
