@@ -428,3 +428,32 @@ def test_state_pass_variants(cfg):
                                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
     ro, rht = _refs(x, h0=h0, cu=cu, l2=True)
     _check(o, ht, ro, rht, torch.bfloat16)
+
+
+def test_solve_correlated_keys_and_rnorm():
+    """The blocked inverse (16x16 substitution + (I - M)(I + M^2) Dinv merge) against float64 on nearly identical
+    keys with beta ~ 1 and no decay: entries of the block powers grow, the inverse must still be right. Also the
+    stored r_k and row_rnorm against 1 / |x|."""
+    import gdn.kernels.chunk_fwd as cf
+
+    C, H, HV, K, V = 64, 2, 2, 32, 16
+    T = C + 7
+    base = torch.randn(K)
+    k = base + 0.05 * torch.randn(1, T, H, K)
+    g = torch.zeros(1, T, HV)
+    beta = 0.95 + 0.05 * torch.rand(1, T, HV)
+    v = torch.randn(1, T, HV, V)
+    rk = torch.full((1, T, H), float("nan"))
+    g_cum, ainv, _, _ = cf.chunk_fwd_prepare(k, v, g, beta, None, 64, True, store_wu=False, rk=rk)
+    ref_rk = 1.0 / (k.double().pow(2).sum(-1) + 1e-6).sqrt()
+    assert rel_err(rk, ref_rk) < 1e-6
+    assert rel_err(cf.row_rnorm(k), ref_rk) < 1e-6
+    q_view = torch.randn(1, T, 3 * H, K)[:, :, H:2 * H]        # strided view
+    assert rel_err(cf.row_rnorm(q_view), 1.0 / (q_view.double().pow(2).sum(-1) + 1e-6).sqrt()) < 1e-6
+    kn = (k.double() * ref_rk[..., None])
+    for hv in range(HV):
+        for s, e in ((0, C), (C, T)):
+            kk = kn[0, s:e, hv // (HV // H)]
+            A = (beta[0, s:e, hv, None].double() * (kk @ kk.T)).tril(-1)
+            inv = torch.linalg.inv(torch.eye(e - s, dtype=torch.float64) + A)
+            assert rel_err(ainv[0, s:e, hv, :e - s], inv) < 1e-4, (hv, s)
