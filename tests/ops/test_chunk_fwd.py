@@ -433,7 +433,7 @@ def test_state_pass_variants(cfg):
 def test_solve_correlated_keys_and_rnorm():
     """The blocked inverse (16x16 substitution + (I - M)(I + M^2) Dinv merge) against float64 on nearly identical
     keys with beta ~ 1 and no decay: entries of the block powers grow, the inverse must still be right. Also the
-    stored r_k and row_rnorm against 1 / |x|."""
+    stored r_k and l2_rnorm against 1 / |x|."""
     import gdn.kernels.chunk_fwd as cf
 
     C, H, HV, K, V = 64, 2, 2, 32, 16
@@ -447,9 +447,9 @@ def test_solve_correlated_keys_and_rnorm():
     g_cum, ainv, _, _ = cf.chunk_fwd_prepare(k, v, g, beta, None, 64, True, store_wu=False, rk=rk)
     ref_rk = 1.0 / (k.double().pow(2).sum(-1) + 1e-6).sqrt()
     assert rel_err(rk, ref_rk) < 1e-6
-    assert rel_err(cf.row_rnorm(k), ref_rk) < 1e-6
+    assert rel_err(cf.l2_rnorm(k), ref_rk) < 1e-6
     q_view = torch.randn(1, T, 3 * H, K)[:, :, H:2 * H]        # strided view
-    assert rel_err(cf.row_rnorm(q_view), 1.0 / (q_view.double().pow(2).sum(-1) + 1e-6).sqrt()) < 1e-6
+    assert rel_err(cf.l2_rnorm(q_view), 1.0 / (q_view.double().pow(2).sum(-1) + 1e-6).sqrt()) < 1e-6
     kn = (k.double() * ref_rk[..., None])
     for hv in range(HV):
         for s, e in ((0, C), (C, T)):

@@ -71,27 +71,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import l2_rnorm
+
 L2_EPS = 1e-6
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # kernels
 # ----------------------------------------------------------------------------------------------------------------------
-@triton.jit
-def l2_rnorm_kernel(x, r, n_rows, T, s_b, s_t, s_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
-                    BR: tl.constexpr):
-    """r[b, t, h] = rsqrt(sum_k x[b, t, h, k]^2 + 1e-6) (fp32) for strided x [B, T, H, K]."""
-    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    m = rows < n_rows
-    i_b = rows // (T * H)
-    i_t = (rows // H) % T
-    i_h = rows % H
-    o_k = tl.arange(0, BK)
-    b_x = tl.load(x + i_b[:, None] * s_b + i_t[:, None] * s_t + i_h[:, None] * s_h + o_k[None, :],
-                  mask=m[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
-    tl.store(r + rows, tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6), mask=m)
-
-
 @triton.jit
 def _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C: tl.constexpr, VARLEN: tl.constexpr):
     """(batch row, first token of the sequence in its row, flat token index of that token, sequence length,
@@ -508,18 +495,6 @@ def _strides(x: torch.Tensor):
     return x.stride(0), x.stride(1), x.stride(2)
 
 
-def l2_rnorm(x: torch.Tensor) -> torch.Tensor:
-    """fp32 [B, T, H] = rsqrt(sum(x^2) + 1e-6) over the last dim of a (strided) [B, T, H, K] tensor."""
-    B, T, H, K = x.shape
-    r = torch.empty(B, T, H, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
-    n = B * T * H
-    if n:
-        BR = 32
-        l2_rnorm_kernel[(triton.cdiv(n, BR),)](x, r, n, T, *_strides(x), H=H, K=K,
-                                               BK=max(16, triton.next_power_of_2(K)), BR=BR, num_warps=4)
-    return r
-
-
 def chunk_tables(B: int, T: int, cu_seqlens: Optional[torch.Tensor], C: int, device):
     """Chunk bookkeeping (``gdn.kernels.chunk_fwd.ChunkIndex``: N, NT, nchunks, chunk_indices [NT, 2] = (sequence,
     chunk in sequence), chunk_offsets [N + 1]); reads ``cu_seqlens`` on the host once."""
@@ -730,9 +705,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
                                                 chunk_index=ci)
     h_dtype = h.dtype if h is not None else (torch.float32 if F.CONFIG["h_dtype"] == "fp32" else w.dtype)
 
+    rq, rk = (l2_rnorm(q), l2_rnorm(k)) if l2 else (None, None)
+
     def state_pass():
         return F.chunk_state_pass(k, w, u, g_cum, initial_state, False, cu_seqlens, C, l2, h_dtype=h_dtype,
-                                  chunk_index=ci)[:2]
+                                  chunk_index=ci, rk=rk)[:2]
 
     concurrent = need_h and dev.type == "cuda" and os.environ.get("GDN_BWD_CONCURRENT", "1") != "0" \
         and not torch.cuda.is_current_stream_capturing()
@@ -745,7 +722,6 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
             h, v_new = state_pass()
     elif need_h:
         h, v_new = state_pass()
-    rq, rk = (l2_rnorm(q), l2_rnorm(k)) if l2 else (None, None)
     gs, dvn, dh0 = chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, C, l2, initial_state is not None,
                                 state_dtype=h_dtype, chunk_index=ci, segment_chunks=segment_chunks, rq=rq, rk=rk)
     if concurrent:

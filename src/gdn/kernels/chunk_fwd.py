@@ -48,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .common import l2_rnorm
+
 CHUNK_SIZE = 64
 L2_EPS = 1e-6
 
@@ -546,27 +548,6 @@ def _chunk_prepare_kernel(
                      mask=m[:, None] & mv[None, :])
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _row_rnorm_kernel(x, out, n_rows, T, s_b, s_t, s_h, H: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
-                      BK: tl.constexpr):
-    """out[b, t, h] = 1 / sqrt(sum_k x[b, t, h, k]^2 + 1e-6) for x [B, T, H, K] (strided), out fp32 [B, T, H]."""
-    r = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
-    m = r < n_rows
-    i_h = r % H
-    i_t = (r // H) % T
-    i_b = r // (H * T)
-    base = x + i_b * s_b + i_t * s_t + i_h * s_h
-    ss = tl.zeros([BR], tl.float32)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        ok = i_k * BK + tl.arange(0, BK)
-        xf = tl.load(base[:, None] + ok[None, :], mask=m[:, None] & (ok < K)[None, :], other=0.0).to(tl.float32)
-        ss += tl.sum(xf * xf, axis=1)
-    tl.store(out + r, tl.rsqrt(ss + 1e-6), mask=m)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# kernel 2: sequential state pass (per segment of chunks)
-# ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
 def _dot_h(a, h, h_dt, DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr):
     """a @ h for an fp32 state h (``h_dt`` = h rounded to DT): with SPLIT_H (half-precision DT), h = hi + lo in two
@@ -893,20 +874,6 @@ def _solve_precision(dt: torch.dtype, store_dtype: torch.dtype) -> str:
     return "tf32" if (dt in half and store_dtype in half) else "tf32x3"
 
 
-def row_rnorm(x: torch.Tensor) -> torch.Tensor:
-    """1 / sqrt(|x_row|^2 + 1e-6) of x [B, T, H, K] (strided, last dim contiguous) -> fp32 [B, T, H] (contiguous):
-    the L2 row scalings of q or k that the kernels apply after their products."""
-    B, T, H, K = x.shape
-    out = torch.empty(B, T, H, device=x.device, dtype=torch.float32)
-    n = B * T * H
-    if n == 0:
-        return out
-    BR = 64
-    _launch(_row_rnorm_kernel, (triton.cdiv(n, BR),), x, out, n, T, *_strides3(x), H=H, K=K, BR=BR,
-            BK=min(128, _pow2(K)), num_warps=4)
-    return out
-
-
 def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
                       use_qk_l2norm_in_kernel: bool = False, *, store_ainv: bool = True, store_wu: bool = True,
@@ -1071,7 +1038,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
     ``segment_chunks``: None = heuristic / CONFIG, -1 = never segment, n > 0 = segments of n chunks.
     ``split_h``: compute the h product of v_new as hi + lo half-precision parts (default: CONFIG["state_split_h"]).
-    ``rk``: the L2 row scalings of k (fp32 [B, T, H], from :func:`row_rnorm` or the prepare kernel); computed here
+    ``rk``: the L2 row scalings of k (fp32 [B, T, H], from :func:`l2_rnorm` or the prepare kernel); computed here
     when the L2 norm is on and none is given.
     """
     _check_chunk_size(chunk_size)
@@ -1115,13 +1082,13 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         dt = _dot_dtype(fz["q"], k, v) if from_ainv else _dot_dtype(fz["q"], k, w)
     l2 = bool(use_qk_l2norm_in_kernel)
     if l2 and rk is None:
-        rk = row_rnorm(k)
+        rk = l2_rnorm(k)
     rk_arg = rk if l2 else dummy
     rq_arg = dummy
     if _fuse is not None and l2:
         rq_arg = fz.get("rq")
         if rq_arg is None:
-            rq_arg = row_rnorm(fz["q"])
+            rq_arg = l2_rnorm(fz["q"])
 
     def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, fuse=False, **flags):
         fq, fo = (fz["q"], fz["o"]) if fuse else (k, dummy)
@@ -1225,8 +1192,8 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
     BV = min(int(CONFIG["output_BV"]), _pow2(V))
     l2 = bool(use_qk_l2norm_in_kernel)
     if l2:
-        rq = row_rnorm(q) if rq is None else rq
-        rk = row_rnorm(k) if rk is None else rk
+        rq = l2_rnorm(q) if rq is None else rq
+        rk = l2_rnorm(k) if rk is None else rk
     else:
         rq = rk = g_cum
     _launch(_chunk_output_kernel, (triton.cdiv(V, BV), ci.NT, HV),
@@ -1257,7 +1224,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     a_dtype = torch.float32 if (store_ainv or CONFIG["ainv_dtype"] == "fp32") else dt
     l2 = bool(use_qk_l2norm_in_kernel)
     rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
-    rq = row_rnorm(q) if l2 else None
+    rq = l2_rnorm(q) if l2 else None
     g_cum, ainv, w, u = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                                           store_ainv=store_ainv or from_ainv, store_wu=not from_ainv,
                                           chunk_index=ci, ainv_dtype=a_dtype, rk=rk)
@@ -1286,7 +1253,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
 __all__ = [
     "CONFIG", "set_config", "config_override", "bench_configs", "ChunkIndex", "prepare_chunk_indices",
     "chunk_local_cumsum", "chunk_fwd_prepare", "chunk_scaled_dot_kkt_solve", "recompute_w_u", "chunk_state_pass",
-    "chunk_output", "chunk_state_output", "chunk_gated_delta_rule_fwd", "row_rnorm",
+    "chunk_output", "chunk_state_output", "chunk_gated_delta_rule_fwd", "l2_rnorm",
 ]
 
 
@@ -1384,8 +1351,8 @@ def _stage_times(q, k, v, g, beta, h0, cu, iters):
     prep = lambda: chunk_fwd_prepare(k, v, g, beta, cu, CHUNK_SIZE, True, store_ainv=from_ainv,  # noqa: E731
                                      store_wu=not from_ainv, chunk_index=ci, ainv_dtype=dt, rk=rk)
     g_cum, ainv, w, u = prep()
-    rq = row_rnorm(q)
-    res = dict(t_prepare=_time_ms(prep, iters=iters), t_rnorm_q=_time_ms(lambda: row_rnorm(q), iters=iters))
+    rq = l2_rnorm(q)
+    res = dict(t_prepare=_time_ms(prep, iters=iters), t_rnorm_q=_time_ms(lambda: l2_rnorm(q), iters=iters))
     if CONFIG["fuse_output"]:
         so = lambda: chunk_state_output(q, k, v, beta, ainv if from_ainv else None, g_cum, K ** -0.5, h0, True,  # noqa
                                         cu, CHUNK_SIZE, True, w=w, u=u, out_dtype=v.dtype, chunk_index=ci, rq=rq, rk=rk)

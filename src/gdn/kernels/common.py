@@ -1,4 +1,5 @@
 """Small Triton helpers shared by the kernel families."""
+import torch
 import triton
 import triton.language as tl
 
@@ -22,3 +23,31 @@ def gdn_gate_value(a, A_log, dt_bias):
 
 def next_pow2(n: int) -> int:
     return triton.next_power_of_2(int(n))
+
+
+@triton.jit
+def l2_rnorm_kernel(x, r, n_rows, T, s_b, s_t, s_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
+                    BR: tl.constexpr):
+    """r[b, t, h] = rsqrt(sum_k x[b, t, h, k]^2 + 1e-6) for strided x [B, T, H, K] (last dim contiguous)."""
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
+    m = rows < n_rows
+    i_b = rows // (T * H)
+    i_t = (rows // H) % T
+    i_h = rows % H
+    o_k = tl.arange(0, BK)
+    b_x = tl.load(x + i_b[:, None] * s_b + i_t[:, None] * s_t + i_h[:, None] * s_h + o_k[None, :],
+                  mask=m[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32)
+    tl.store(r + rows, tl.rsqrt(tl.sum(b_x * b_x, axis=1) + 1e-6), mask=m)
+
+
+def l2_rnorm(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, H] = rsqrt(sum(x^2) + 1e-6) over the last dim of a (strided, last dim contiguous) [B, T, H, K] tensor:
+    the L2 row scalings of q or k that the chunk kernels apply after their products. fp32 (fp64 for fp64 x)."""
+    B, T, H, K = x.shape
+    r = torch.empty(B, T, H, dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
+    n = B * T * H
+    if n:
+        BR = 32
+        l2_rnorm_kernel[(triton.cdiv(n, BR),)](x, r, n, T, x.stride(0), x.stride(1), x.stride(2), H=H, K=K,
+                                               BK=next_pow2(max(16, K)), BR=BR, num_warps=4)
+    return r
