@@ -403,6 +403,21 @@ def _seq_span(n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _state_row(idx, i_s, n, P, BY_SEG: tl.constexpr, INDEXED: tl.constexpr):
+    """(row, valid) of a state in a [rows, HV, ...] buffer: row = segment i_s (BY_SEG) or sequence n, mapped through
+    the pool index ``idx`` when INDEXED (a negative or >= P entry is invalid: nothing read or written)."""
+    if BY_SEG:
+        row = i_s.to(tl.int64)
+    else:
+        row = n.to(tl.int64)
+    ok = row >= 0
+    if INDEXED:
+        row = tl.load(idx + row).to(tl.int64)
+        ok = (row >= 0) & (row < P)
+    return row, ok
+
+
+@triton.jit
 def _dotp(a, b, PREC: tl.constexpr):
     """fp32 a @ b for the triangular solve: PREC "bf16" rounds both operands to bfloat16, anything else is the
     ``input_precision`` of an fp32 tensor-core product ("tf32", "tf32x3", "ieee")."""
@@ -612,14 +627,7 @@ def _chunk_state_kernel(
     m_kv = mk[:, None] & mv[None, :]
 
     if INIT == 1:
-        if H0_BY_SEG:
-            row = i_s.to(tl.int64)
-        else:
-            row = n.to(tl.int64)
-        ok0 = row >= 0
-        if H0_INDEXED:
-            row = tl.load(h0_idx + row).to(tl.int64)
-            ok0 = (row >= 0) & (row < P0)
+        row, ok0 = _state_row(h0_idx, i_s, n, P0, H0_BY_SEG, H0_INDEXED)
         p0 = h0 + row * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v
         h = tl.load(p0, mask=m_kv & ok0, other=0.0).to(tl.float32)
     elif INIT == 2:
@@ -700,14 +708,7 @@ def _chunk_state_kernel(
         tl.store(h0 + rs * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v, _rn(h, h0.dtype.element_ty),
                  mask=m_kv & is_t)
     elif STORE_FINAL:
-        if HT_BY_SEG:
-            row1 = i_s.to(tl.int64)
-        else:
-            row1 = n.to(tl.int64)
-        ok1 = row1 >= 0
-        if HT_INDEXED:
-            row1 = tl.load(ht_idx + row1).to(tl.int64)
-            ok1 = (row1 >= 0) & (row1 < P1)
+        row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
         p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
         tl.store(p1, _rn(h, ht.dtype.element_ty), mask=m_kv & ok1)
 
@@ -732,17 +733,9 @@ def _chunk_merge_kernel(
     ov = i_v * BV + tl.arange(0, BV)
     mv = ov < V
     ob = tl.arange(0, BK)
-    # start state of the first segment
-    row = n.to(tl.int64)
-    ok0 = row >= 0
-    if H0_INDEXED:
-        row = tl.load(h0_idx + row).to(tl.int64)
-        ok0 = (row >= 0) & (row < P0)
-    row1 = n.to(tl.int64)
-    ok1 = row1 >= 0
-    if HT_INDEXED:
-        row1 = tl.load(ht_idx + row1).to(tl.int64)
-        ok1 = (row1 >= 0) & (row1 < P1)
+    # rows of the sequence's start state (h0) and final state (ht)
+    row, ok0 = _state_row(h0_idx, n, n, P0, False, H0_INDEXED)
+    row1, ok1 = _state_row(ht_idx, n, n, P1, False, HT_INDEXED)
     for i_k in range(0, tl.cdiv(K, BK)):
         okk = i_k * BK + ob
         m = (okk < K)[:, None] & mv[None, :]
