@@ -679,7 +679,7 @@ def _side_stream(device):
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                                use_qk_l2norm_in_kernel, do, dht, *, g_cum=None, ainv=None, w=None, u=None,
-                               h=None, v_new=None, segment_chunks=None):
+                               h=None, v_new=None, segment_chunks=None, rq=None, rk=None):
     """Gradients of ``chunk_gated_delta_rule`` (v_last states). Returns ``(dq, dk, dv, dg, dbeta, dh0)``.
 
     q, k [B, T, H, K] (strided, last dim contiguous); v [B, T, HV, V]; g, beta [B, T, HV]; initial_state None or
@@ -689,7 +689,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     Pipeline (4 kernels + the forward's prepare): ``chunk_fwd_prepare`` (g_cum, Ainv, w, u) -> the forward state pass
     (h, v_new; on a side CUDA stream) concurrently with the reverse pass ``chunk_bwd_dh`` (needs only w and g_cum)
     -> ``chunk_bwd_main``. Intermediates saved by the forward can be passed in (``g_cum``, ``ainv``, ``w``, ``u``,
-    ``h``, ``v_new``, as returned by gdn.kernels.chunk_fwd) to skip their recomputation.
+    ``h``, ``v_new``, ``rq``, ``rk``, as returned by gdn.kernels.chunk_fwd) to skip their recomputation; with
+    ``g_cum`` and ``ainv`` (the forward's, any float dtype) only W / U are recomputed, not the triangular solve.
     ``segment_chunks``: reverse-pass segmentation (None heuristic, -1 off, n chunks per segment).
     """
     from . import chunk_fwd as F
@@ -700,12 +701,15 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     dev = q.device
     ci = F.prepare_chunk_indices(cu_seqlens, T, C, B, device=dev)
     need_h = h is None or v_new is None
-    if g_cum is None or ainv is None or w is None or (need_h and u is None):
+    if g_cum is None or ainv is None:
         g_cum, ainv, w, u = F.chunk_fwd_prepare(k, v, g, beta, cu_seqlens, C, l2, store_ainv=True, store_wu=True,
-                                                chunk_index=ci)
+                                                chunk_index=ci, ainv_dtype=F._dot_dtype(k, v))
+    elif w is None or (need_h and u is None):
+        w, u = F.recompute_w_u(k, v, beta, ainv, g_cum, cu_seqlens, C, l2, chunk_index=ci)
     h_dtype = h.dtype if h is not None else (torch.float32 if F.CONFIG["h_dtype"] == "fp32" else w.dtype)
 
-    rq, rk = (l2_rnorm(q), l2_rnorm(k)) if l2 else (None, None)
+    if l2 and (rq is None or rk is None):
+        rq, rk = l2_rnorm(q), l2_rnorm(k)
 
     def state_pass():
         return F.chunk_state_pass(k, w, u, g_cum, initial_state, False, cu_seqlens, C, l2, h_dtype=h_dtype,

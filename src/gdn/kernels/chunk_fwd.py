@@ -1208,13 +1208,14 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     """The whole forward. Returns ``(o [B, T, HV, V] in v's dtype, final state or None, aux dict)``.
 
     ``initial_state``/``final_state``/``state_indices`` as in :func:`chunk_state_pass`; aux holds the intermediates
-    (g_cum, Ainv when ``store_ainv``, h, v_new, chunk_index)."""
+    (g_cum, Ainv when ``store_ainv`` (tensor-core dtype, fp32 with CONFIG["ainv_dtype"] = "fp32"), h, v_new,
+    chunk_index, rq / rk (the L2 row scalings, fp32 [B, T, H], None without the L2 norm))."""
     _check_chunk_size(chunk_size)
     B, T, H, K = q.shape
     ci = prepare_chunk_indices(cu_seqlens, T, chunk_size, B, device=q.device)
     dt = _dot_dtype(k, v)
     from_ainv = CONFIG["state_mode"] == "ainv"
-    a_dtype = torch.float32 if (store_ainv or CONFIG["ainv_dtype"] == "fp32") else dt
+    a_dtype = torch.float32 if CONFIG["ainv_dtype"] == "fp32" else dt
     l2 = bool(use_qk_l2norm_in_kernel)
     rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
     rq = l2_rnorm(q) if l2 else None
@@ -1228,7 +1229,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                    out_dtype=v.dtype, state_layout=state_layout, final_state=final_state,
                                    state_indices=state_indices, segment_chunks=segment_chunks, chunk_index=ci,
                                    rq=rq, rk=rk)
-        return o, ht, dict(g_cum=g_cum, ainv=ainv, h=None, v_new=None, chunk_index=ci)
+        return o, ht, dict(g_cum=g_cum, ainv=ainv, h=None, v_new=None, chunk_index=ci, rq=rq, rk=rk)
     if h_dtype is None:
         h_dtype = torch.float32 if CONFIG["h_dtype"] == "fp32" else dt
     h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
@@ -1240,7 +1241,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     o = chunk_output(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                      out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rq=rq, rk=rk)
-    return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci)
+    return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rq=rq, rk=rk)
 
 
 __all__ = [
