@@ -116,7 +116,8 @@ def chunk_bwd_dh_kernel(
     """Reverse pass over the chunks ``[c_beg, c_end)`` of one segment (row of ``segments`` = (sequence, c_beg,
     c_end); a whole sequence when unsegmented) for one value head and one column block of the state gradient.
 
-    Per chunk (last to first): ``dVn = dv_local + Kdec G`` and ``G <- e^cL G + Qdec^T dO - W^T dVn``.
+    Per chunk (last to first): ``dVn = dv_local + Kdec G`` (dv_local read from ``dvn``, where
+    ``chunk_bwd_dv_local_kernel`` put it) and ``G <- e^cL G + Qdec^T dO - W^T dVn``.
     INIT: 0 zeros, 1 ``x0[sequence]`` (dht), 2 ``x0[segment]``, 3 identity (VC = K: the segment's K x K transition,
     then HAS_R is False: no dO terms). STORE_STEPS: ``gs[chunk]`` <- G leaving the chunk, ``dvn`` <- dVn.
     STORE_END: ``xend[segment if END_BY_SEG else sequence]`` <- G entering the first chunk (dh0 when unsegmented).
@@ -189,35 +190,74 @@ def chunk_bwd_dh_kernel(
             b_qt = tl.load(q + row * s_qb + st[None, :] * s_qt + i_h * s_qh + o_k[:, None],
                            mask=m_k[:, None] & m_t[None, :], other=0.0)           # q^T [BK, C], loaded transposed
             b_fq = tl.exp(b_gc) * scale                                        # q_j -> scale e^(c_j) qn_j
-            b_fkq = tl.zeros([C], dtype=ACC) + scale
             if L2NORM:
-                b_rq = tl.load(rq + (tok0 + t) * H + i_h, mask=m_t, other=0.0)
-                b_fq = b_fq * b_rq
-                b_fkq = b_fkq * b_rk
-            else:
-                b_rq = tl.zeros([C], dtype=ACC) + 1.0
+                b_fq = b_fq * tl.load(rq + (tok0 + t) * H + i_h, mask=m_t, other=0.0)
             b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :],
                            mask=m_t[:, None] & m_v[None, :], other=0.0)
-            # dv_local = (K Q^T * Gam^T) dO: [i, j] = kn_i . qn_j * scale * exp(c_j - c_i), j >= i
-            b_kq = tl.dot(b_k.to(MM), b_qt.to(MM), input_precision=PREC, out_dtype=ACC)
-            b_kq = tl.where(causal_t, b_kq * tl.exp(tl.where(causal_t, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0)
-            b_kq = b_kq * b_fkq[:, None] * b_rq[None, :]
-            b_dv += tl.dot(b_kq.to(DT).to(MM), b_do.to(DT).to(MM), input_precision=PREC, out_dtype=ACC)
-        b_dv = b_dv.to(DT)
+            # + dv_local = (K Q^T * Gam^T) dO, written into dvn beforehand by chunk_bwd_dv_local_kernel
+            b_dv += tl.load(dvn + (tok[:, None] * HV + i_hv) * VC + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                            other=0.0).to(ACC)
         if STORE_STEPS:
             tl.store(dvn + (tok[:, None] * HV + i_hv) * VC + o_v[None, :], b_dv.to(dvn.dtype.element_ty),
                      mask=m_t[:, None] & m_v[None, :])
+        b_ndv = (-b_dv).to(DT)
         b_dh = b_dh * tl.exp(b_gl)
         if HAS_R:
             b_dod = (b_do.to(ACC) * b_fq[:, None]).to(DT).to(MM)                 # (diag(f) Q)^T dO = Q^T (f dO)
-            b_dh += tl.dot(b_qt.to(MM), b_dod, input_precision=PREC, out_dtype=ACC)
-        b_dh -= tl.dot(b_wt.to(MM), b_dv.to(MM), input_precision=PREC, out_dtype=ACC)
+            b_dh = tl.dot(b_qt.to(MM), b_dod, b_dh, input_precision=PREC, out_dtype=ACC)
+        b_dh = tl.dot(b_wt.to(MM), b_ndv.to(MM), b_dh, input_precision=PREC, out_dtype=ACC)
 
     if STORE_END:
         if END_BY_SEG:
             tl.store(xend + (i_s.to(tl.int64) * HV + i_hv) * K * VC + o_s, b_dh.to(xend.dtype.element_ty), mask=m_s)
         else:
             tl.store(xend + (i_n * HV + i_hv) * K * VC + o_s, b_dh.to(xend.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def chunk_bwd_dv_local_kernel(
+    q, k, gcum, do, rq, rk, dvl, cu_seqlens, chunk_indices, scale, T,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr,
+):
+    """One chunk x one value head, parallel: ``dv_local = (K Q^T * Gam^T) dO`` ([C, V], the gradient of v_new
+    through the intra-chunk attention), written to ``dvl`` (the reverse pass adds its state term in place).
+    ``(K Q^T)_ij = scale r_k,i r_q,j k_i.q_j exp(c_j - c_i)`` for j >= i, else 0; computed once for all V tiles."""
+    DT = dvl.dtype.element_ty
+    i_t = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    row, bos, tok0, L, i_c = _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    t = i_c * C + o_c
+    m_t = t < L
+    n_last = tl.minimum(L - i_c * C, C) - 1
+    tok = tok0 + t
+    st = (bos + t).to(tl.int64)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+    b_gl = tl.sum(tl.where(o_c == n_last, b_gc, 0.0), axis=0)
+    b_gc = tl.where(m_t, b_gc, b_gl)
+    b_k = tl.load(k + row * s_kb + st[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.0)
+    b_q = tl.load(q + row * s_qb + st[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.0)
+    b_kq = tl.dot(b_k.to(MM), tl.trans(b_q.to(MM)), input_precision=PREC, out_dtype=ACC)
+    upper = o_c[None, :] >= o_c[:, None]
+    b_fr = tl.zeros([C], dtype=ACC) + scale
+    b_fc = tl.zeros([C], dtype=ACC) + 1.0
+    if L2NORM:
+        b_fr = b_fr * tl.load(rk + tok * H + i_h, mask=m_t, other=0.0)
+        b_fc = tl.load(rq + tok * H + i_h, mask=m_t, other=0.0)
+    b_kq = tl.where(upper, b_kq * tl.exp(tl.where(upper, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0)
+    b_kq = (b_kq * b_fr[:, None] * b_fc[None, :]).to(DT).to(MM)
+    for v0 in tl.static_range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :], mask=m_tv, other=0.0)
+        b_dv = tl.dot(b_kq, b_do.to(DT).to(MM), input_precision=PREC, out_dtype=ACC)
+        tl.store(dvl + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_dv.to(DT), mask=m_tv)
 
 
 @triton.jit
@@ -255,34 +295,40 @@ def chunk_bwd_dh_merge_kernel(
 
 @triton.jit
 def chunk_bwd_out_kernel(
-    q, k, gcum, vn, do, hs, gs, rq, rk, dq, dq_part, dk_part, dg_part,
-    cu_seqlens, chunk_indices, scale, T,
+    q, k, gcum, vn, do, hs, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, dkb_v,
+    cu_seqlens, chunk_indices, scale, T, s_dgp,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-    BK: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Parallel part A, one chunk x one q/k head (its HV/H value heads in a loop): gradients through
+    """Parallel part A, one chunk x one value head x one side: gradients through
     ``O = diag(e^c) Q H + (Q K^T * Gam) Vn`` and ``Hnext = e^cL H + (diag(e^(cL - c)) K)^T Vn``.
-    Writes dq (final, after the L2-norm backward), d(kn) partial -> ``dk_part`` (fp32) and dg partial -> ``dg_part``.
-    The state-sized products run in K blocks of BKB rows; dq/dk accumulate over the value heads in the fp32 scratch
-    (cache resident, read-modify-write by the same program)."""
+
+    side 0 (dQ): ``dPm = (dO Vn^T) * Gam``, ``dQ = diag(e^c) dO H^T + dPm K`` -> ``dq_v`` [B, T, HV, K] (gradient of
+    Q = scale qn, per value head); its gate terms ``revcumsum(Q.dQ - K.(dPm^T Q))`` -> ``dg_part[0]`` (``dg_part``
+    is [4, B*T*HV] fp32, slot stride ``s_dgp``).
+    side 1 (dK): ``dKs = diag(e^(cL - c)) Vn Gm^T``, ``dK = dPmT Q + dKs`` -> ``dk_v`` (fp32, kernel B adds its WY
+    terms); ``sum_{s < t} k_s.dKs_s + e^cL <H, Gm>`` -> ``dg_part[1]``.
+    side 2 (WY through H): ``-dKb = (Ainv^T dVn) H^T`` -> ``dkb_v`` gets ``-diag(b e^c) (-dKb)`` (dot dtype),
+    ``dg_part[2]`` / ``dg_part[3]`` its gate / beta terms.
+    The V contractions run over V tiles of BV columns (dO, Vn, H, Gm, dVn tiles stream; at most two accumulators
+    per side, so nothing spills at 4 warps)."""
     DT = vn.dtype.element_ty
-    GR: tl.constexpr = HV // H
     i_t = tl.program_id(0)      # global chunk index (row of hs / gs)
-    i_h = tl.program_id(1)
+    i_hv = tl.program_id(1)
+    side = tl.program_id(2)
+    i_h = i_hv // (HV // H)
     row, bos, tok0, L, i_c = _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
-    m_v = o_v < V
+    m_k = o_k < K
     t = i_c * C + o_c
     m_t = t < L
     n_valid = tl.minimum(L - i_c * C, C)
     tok = tok0 + t
     st = (bos + t).to(tl.int64)
-    m_tv = m_t[:, None] & m_v[None, :]
-    causal = o_c[:, None] >= o_c[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
     strict = o_c[:, None] > o_c[None, :]
 
     if L2NORM:
@@ -292,180 +338,223 @@ def chunk_bwd_out_kernel(
         b_rq = tl.zeros([C], dtype=ACC) + 1.0
         b_rk = tl.zeros([C], dtype=ACC) + 1.0
     b_sq = b_rq * scale                          # row factor of Q = scale * qn
-    p_q = q + row * s_qb + st[:, None] * s_qt + i_h * s_qh
-    p_k = k + row * s_kb + st[:, None] * s_kt + i_h * s_kh
-    p_part = (tok[:, None] * H + i_h) * K
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+    b_gl = tl.sum(tl.where(o_c == n_valid - 1, b_gc, 0.0), axis=0)
+    b_gc = tl.where(m_t, b_gc, b_gl)    # padding rows of a partial chunk carry the last cumulative gate
+    p_q = q + row * s_qb + st[:, None] * s_qt + i_h * s_qh + o_k[None, :]
+    p_k = k + row * s_kb + st[:, None] * s_kt + i_h * s_kh + o_k[None, :]
+    p_do = do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh
+    p_vn = vn + (tok[:, None] * HV + i_hv) * V
+    hoff = (i_t.to(tl.int64) * HV + i_hv) * K * V
+    p_part = (tok[:, None] * HV + i_hv) * K + o_k[None, :]
 
-    for j in range(0, GR):
-        i_hv = i_h * GR + j
-        b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
-        b_gl = tl.sum(tl.where(o_c == n_valid - 1, b_gc, 0.0), axis=0)
-        b_gc = tl.where(m_t, b_gc, b_gl)    # padding rows of a partial chunk carry the last cumulative gate
-        b_eg = tl.exp(b_gc)
-        b_egl = tl.exp(b_gl - b_gc)
-        b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :], mask=m_tv,
-                       other=0.0).to(DT).to(MM)
-        b_vn = tl.load(vn + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_tv, other=0.0).to(MM)
-
-        # C x C products (contractions over V and K); only loaded tiles are ever transposed
-        b_gam = tl.where(causal, tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
-        b_dpm = tl.dot(b_do, tl.trans(b_vn), input_precision=PREC, out_dtype=ACC) * b_gam     # (dO Vn^T) * Gam
-        b_qk = tl.dot(tl.load(p_q + o_k[None, :], mask=m_tk, other=0.0).to(MM),
-                      tl.trans(tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(MM)),
-                      input_precision=PREC, out_dtype=ACC)
+    if side == 0:
+        b_dpm = tl.zeros([C, C], dtype=ACC)
+        b_dqs = tl.zeros([C, BK], dtype=ACC)
+        for v0 in tl.static_range(0, V, BV):
+            o_v = v0 + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_do = tl.load(p_do + o_v[None, :], mask=m_tv, other=0.0).to(DT).to(MM)
+            b_vn = tl.load(p_vn + o_v[None, :], mask=m_tv, other=0.0).to(MM)
+            b_h = tl.load(hs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                          other=0.0).to(MM)                                                  # H [BK, BV]
+            b_dpm = tl.dot(b_do, tl.trans(b_vn), b_dpm, input_precision=PREC, out_dtype=ACC)   # dO Vn^T
+            b_dqs = tl.dot(b_do, tl.trans(b_h), b_dqs, input_precision=PREC, out_dtype=ACC)    # dO H^T
+        causal = o_c[:, None] >= o_c[None, :]
+        b_dpm = b_dpm * tl.where(causal, tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
+        b_q = tl.load(p_q, mask=m_tk, other=0.0)
+        b_k = tl.load(p_k, mask=m_tk, other=0.0)
+        b_qk = tl.dot(b_q.to(MM), tl.trans(b_k.to(MM)), input_precision=PREC, out_dtype=ACC)
         b_p = tl.where(strict, b_dpm * b_qk * b_sq[:, None] * b_rk[None, :], 0.0)   # the diagonal cancels exactly
         b_dc = tl.sum(b_p, axis=1) - tl.sum(b_p, axis=0)
-        b_dpm = (b_dpm * b_rk[None, :]).to(DT).to(MM)
+        b_dqs = b_dqs * tl.exp(b_gc)[:, None]
+        b_dc += tl.sum(b_q.to(ACC) * b_dqs, axis=1) * b_sq
+        b_dq = tl.dot((b_dpm * b_rk[None, :]).to(DT).to(MM), b_k.to(MM), b_dqs, input_precision=PREC,
+                      out_dtype=ACC)
+        tl.store(dq_v + p_part, b_dq.to(dq_v.dtype.element_ty), mask=m_tk)
+        tl.store(dg_part + tok * HV + i_hv, tl.cumsum(b_dc, axis=0, reverse=True), mask=m_t)
+    elif side == 1:
+        b_dpmt = tl.zeros([C, C], dtype=ACC)
+        b_dks = tl.zeros([C, BK], dtype=ACC)
+        b_hgs = tl.zeros([], dtype=ACC)
+        for v0 in tl.static_range(0, V, BV):
+            o_v = v0 + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            m_kv = m_k[:, None] & m_v[None, :]
+            b_do = tl.load(p_do + o_v[None, :], mask=m_tv, other=0.0).to(DT).to(MM)
+            b_vn = tl.load(p_vn + o_v[None, :], mask=m_tv, other=0.0).to(MM)
+            b_g = tl.load(gs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)   # Gm [BK, BV]
+            b_h = tl.load(hs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+            b_hgs += tl.sum(tl.sum(b_h.to(ACC) * b_g.to(ACC), axis=1), axis=0)
+            b_dpmt = tl.dot(b_vn, tl.trans(b_do), b_dpmt, input_precision=PREC, out_dtype=ACC)   # Vn dO^T
+            b_dks = tl.dot(b_vn, tl.trans(b_g.to(MM)), b_dks, input_precision=PREC, out_dtype=ACC)  # Vn Gm^T
         b_gamt = tl.where(strict, 0.0, tl.exp(tl.where(strict, 0.0, b_gc[None, :] - b_gc[:, None])))
-        b_dpmt = tl.dot(b_vn, tl.trans(b_do), input_precision=PREC, out_dtype=ACC) * b_gamt   # (Vn dO^T) * Gam^T
-        b_dpmt = (b_dpmt * b_sq[None, :]).to(DT).to(MM)
-
-        b_kdks = tl.zeros([C], dtype=ACC)
-        b_hg = tl.zeros([], dtype=ACC)
-        hoff = (i_t.to(tl.int64) * HV + i_hv) * K * V
-        for kb in tl.static_range(0, BK, BKB):
-            o_kb = kb + tl.arange(0, BKB)
-            m_kb = o_kb < K
-            m_tkb = m_t[:, None] & m_kb[None, :]
-            m_hb = m_kb[:, None] & m_v[None, :]
-            b_qb = tl.load(p_q + o_kb[None, :], mask=m_tkb, other=0.0)                # [C, BKB]
-            b_kb = tl.load(p_k + o_kb[None, :], mask=m_tkb, other=0.0)
-            b_hb = tl.load(hs + hoff + o_kb[:, None] * V + o_v[None, :], mask=m_hb, other=0.0)   # H rows kb
-            b_gb = tl.load(gs + hoff + o_kb[:, None] * V + o_v[None, :], mask=m_hb, other=0.0)   # Gm rows kb
-            b_hg += tl.sum(tl.sum(b_hb.to(ACC) * b_gb.to(ACC), axis=1), axis=0)
-            # dQ = diag(e^c) dO H^T + dPm K
-            b_dqb = tl.dot(b_do, tl.trans(b_hb.to(MM)), input_precision=PREC, out_dtype=ACC) * b_eg[:, None]
-            b_dc += tl.sum(b_qb.to(ACC) * b_dqb, axis=1) * b_sq
-            b_dqb = tl.dot(b_dpm, b_kb.to(MM), b_dqb, input_precision=PREC, out_dtype=ACC)
-            p_dqb = dq_part + p_part + o_kb[None, :]
-            b_dqb += tl.load(p_dqb, mask=m_tkb & (j > 0), other=0.0)
-            tl.store(p_dqb, b_dqb, mask=m_tkb)
-            # dK = diag(e^(cL - c)) Vn Gm^T + dPm^T Q
-            b_dkb = tl.dot(b_vn, tl.trans(b_gb.to(MM)), input_precision=PREC, out_dtype=ACC) * b_egl[:, None]
-            b_kdks += tl.sum(b_kb.to(ACC) * b_dkb, axis=1)
-            b_dkb = tl.dot(b_dpmt, b_qb.to(MM), b_dkb, input_precision=PREC, out_dtype=ACC)
-            p_dkb = dk_part + p_part + o_kb[None, :]
-            b_dkb += tl.load(p_dkb, mask=m_tkb & (j > 0), other=0.0)
-            tl.store(p_dkb, b_dkb, mask=m_tkb)
-        b_kdks = b_kdks * b_rk
-        # dg_t = sum_{s >= t} dc_s, with the state terms folded in exactly:
-        #   -k_s.dKs_s at s and +sum_s k_s.dKs_s at the last position  ->  sum_{s < t} k_s.dKs_s
-        b_dgv = tl.cumsum(b_dc, axis=0, reverse=True) + (tl.cumsum(b_kdks, axis=0) - b_kdks) + b_hg * tl.exp(b_gl)
-        tl.store(dg_part + tok * HV + i_hv, b_dgv, mask=m_t)
-
-    # d(qn) = scale * dQ, then the L2-norm backward dx = r (dy - y (y.dy)), y = x r
-    b_dq = tl.load(dq_part + p_part + o_k[None, :], mask=m_tk, other=0.0)
-    if L2NORM:
-        b_qf = tl.load(p_q + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
-        b_dq = b_sq[:, None] * (b_dq - b_qf * (tl.sum(b_qf * b_dq, axis=1) * b_rq * b_rq)[:, None])
+        b_dpmt = (b_dpmt * b_gamt * b_sq[None, :]).to(DT).to(MM)                     # (Vn dO^T) * Gam^T
+        b_dks = b_dks * tl.exp(b_gl - b_gc)[:, None]
+        b_q = tl.load(p_q, mask=m_tk, other=0.0)
+        b_k = tl.load(p_k, mask=m_tk, other=0.0)
+        b_kdks = tl.sum(b_k.to(ACC) * b_dks, axis=1) * b_rk
+        b_dk = tl.dot(b_dpmt, b_q.to(MM), b_dks, input_precision=PREC, out_dtype=ACC)
+        tl.store(dk_v + p_part, b_dk.to(dk_v.dtype.element_ty), mask=m_tk)
+        # dg_t gets sum_{s >= t} of (-k_s.dKs_s at s, + sum_s k_s.dKs_s at the last position) = sum_{s < t} k_s.dKs_s
+        b_dg1 = (tl.cumsum(b_kdks, axis=0) - b_kdks) + b_hgs * tl.exp(b_gl)
+        tl.store(dg_part + s_dgp + tok * HV + i_hv, b_dg1, mask=m_t)
     else:
-        b_dq = b_dq * scale
-    tl.store(dq + p_part + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+        # WY part through H: dVb = Ainv^T dVn, -dKb = dVb H^T -> dk terms -(b e^c) (-dKb) into ``dkb_v``;
+        # kdkb = r_k e^c k.(-dKb): dbeta -= kdkb (slot 3), dc -= b kdkb (slot 2, reverse-cumsummed)
+        m_cct = (o_c < n_valid)[:, None] & m_t[None, :]
+        b_ait = tl.load(ainv + (tok[None, :] * HV + i_hv) * C + o_c[:, None], mask=m_cct,
+                        other=0.0).to(DT).to(MM)                                 # Ainv^T, loaded transposed
+        b_ndkb = tl.zeros([C, BK], dtype=ACC)
+        for v0 in tl.static_range(0, V, BV):
+            o_v = v0 + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_dvn = tl.load(dvn + (tok[:, None] * HV + i_hv) * V + o_v[None, :], mask=m_tv, other=0.0).to(MM)
+            b_h = tl.load(hs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                          other=0.0).to(MM)
+            b_dvb = tl.dot(b_ait, b_dvn, input_precision=PREC, out_dtype=ACC).to(DT).to(MM)
+            b_ndkb = tl.dot(b_dvb, tl.trans(b_h), b_ndkb, input_precision=PREC, out_dtype=ACC)
+        b_b = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+        b_eg = tl.exp(b_gc)
+        b_fb = b_b * b_eg
+        b_k = tl.load(p_k, mask=m_tk, other=0.0)
+        b_kdkb = tl.sum(b_k.to(ACC) * b_ndkb, axis=1) * b_rk * b_eg
+        tl.store(dkb_v + p_part, (-(b_ndkb * b_fb[:, None])).to(dkb_v.dtype.element_ty), mask=m_tk)
+        tl.store(dg_part + 2 * s_dgp + tok * HV + i_hv, -tl.cumsum(b_kdkb * b_b, axis=0, reverse=True), mask=m_t)
+        tl.store(dg_part + 3 * s_dgp + tok * HV + i_hv, -b_kdkb, mask=m_t)
 
 
 @triton.jit
 def chunk_bwd_wy_kernel(
-    k, v, gcum, beta, ainv, vn, dvn, hs, rk, dk, dv, dbeta, dg, dk_part, dg_part,
-    cu_seqlens, chunk_indices, T,
+    k, v, gcum, beta, ainv, vn, dvn, rk, dv, dbeta, dg, dk_v, dg_part,
+    cu_seqlens, chunk_indices, T, s_dgp,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-    BK: tl.constexpr, BKB: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """Parallel part B, one chunk x one q/k head: the WY / UT-transform backward
-    ``dVb = Ainv^T dVn, dKb = -dVb H^T, dA = -dVb Vn^T, dA^T = -(Vn dVn^T) Ainv``. Writes dv, dbeta, dg (= dg_part +
-    these terms) and dk (= dk_part + these terms, then the L2-norm backward)."""
+    """Parallel part B, one chunk x one value head: the WY / UT-transform backward
+    ``dVb = Ainv^T dVn, dA = -dVb Vn^T, dA^T = -(Vn dVn^T) Ainv`` (V contractions over V tiles; the ``dKb = -dVb H^T``
+    terms are kernel A's side 2). Writes dv, dbeta (+ ``dg_part[3]``), dg (= ``dg_part[0..2]`` + these terms) and
+    adds its dk terms to ``dk_v`` (per value head, fp32; :func:`chunk_bwd_qk_kernel` sums the value heads, adds
+    ``dkb_v`` and applies the L2-norm backward)."""
     DT = vn.dtype.element_ty
+    i_t = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    row, bos, tok0, L, i_c = _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    t = i_c * C + o_c
+    m_t = t < L
+    n_valid = tl.minimum(L - i_c * C, C)
+    tok = tok0 + t
+    st = (bos + t).to(tl.int64)
+    m_tk = m_t[:, None] & m_k[None, :]
+    strict = o_c[:, None] > o_c[None, :]
+    if L2NORM:
+        b_rk = tl.load(rk + tok * H + i_h, mask=m_t, other=0.0)
+    else:
+        b_rk = tl.zeros([C], dtype=ACC) + 1.0
+    b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+    b_b = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+    b_gl = tl.sum(tl.where(o_c == n_valid - 1, b_gc, 0.0), axis=0)
+    b_gc = tl.where(m_t, b_gc, b_gl)
+    m_cct = (o_c < n_valid)[:, None] & m_t[None, :]
+    b_ait = tl.load(ainv + (tok[None, :] * HV + i_hv) * C + o_c[:, None], mask=m_cct,
+                    other=0.0).to(DT).to(MM)                                     # Ainv^T, loaded transposed
+    p_tv = (tok[:, None] * HV + i_hv) * V
+    p_v = v + row * s_vb + st[:, None] * s_vt + i_hv * s_vh
+
+    b_db = tl.zeros([C], dtype=ACC)
+    b_nda = tl.zeros([C, C], dtype=ACC)
+    b_vdv = tl.zeros([C, C], dtype=ACC)
+    for v0 in tl.static_range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_dvn = tl.load(dvn + p_tv + o_v[None, :], mask=m_tv, other=0.0).to(MM)
+        b_vn = tl.load(vn + p_tv + o_v[None, :], mask=m_tv, other=0.0).to(MM)
+        b_dvb = tl.dot(b_ait, b_dvn, input_precision=PREC, out_dtype=ACC)            # dVb = Ainv^T dVn
+        tl.store(dv + p_tv + o_v[None, :], (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_db += tl.sum(b_dvb * tl.load(p_v + o_v[None, :], mask=m_tv, other=0.0).to(ACC), axis=1)
+        b_dvb = b_dvb.to(DT).to(MM)
+        b_nda = tl.dot(b_dvb, tl.trans(b_vn), b_nda, input_precision=PREC, out_dtype=ACC)   # -dA = dVb Vn^T
+        b_vdv = tl.dot(b_vn, tl.trans(b_dvn), b_vdv, input_precision=PREC, out_dtype=ACC)   # Vn dVn^T
+
+    # C x C: A = SL * diag(b) (Gam * K K^T); M = SL * dA * diag(b) Gam and its transpose from dA^T
+    b_k = tl.load(k + row * s_kb + st[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.0)
+    causal = o_c[:, None] >= o_c[None, :]
+    b_gam = tl.where(causal, tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
+    b_kk = tl.dot(b_k.to(MM), tl.trans(b_k.to(MM)), input_precision=PREC, out_dtype=ACC)
+    b_dagk = tl.where(strict, b_nda * b_gam * b_kk * (b_rk[:, None] * b_rk[None, :]), 0.0)
+    b_db -= tl.sum(b_dagk, axis=1)
+    b_daa = b_dagk * b_b[:, None]                                                # -dA * A
+    b_dc = tl.sum(b_daa, axis=0) - tl.sum(b_daa, axis=1)
+    b_msym = tl.where(strict, b_nda * b_gam * b_b[:, None], 0.0)
+    m_cc = m_t[:, None] & (o_c < n_valid)[None, :]
+    b_ai = tl.load(ainv + (tok[:, None] * HV + i_hv) * C + o_c[None, :], mask=m_cc, other=0.0).to(DT).to(MM)
+    b_ndat = tl.dot(b_vdv.to(DT).to(MM), b_ai, input_precision=PREC, out_dtype=ACC)  # -dA^T
+    strict_t = o_c[:, None] < o_c[None, :]
+    b_gamt = tl.where(strict_t, tl.exp(tl.where(strict_t, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0)
+    b_msym += b_ndat * b_gamt * b_b[None, :]
+    b_msym = (b_msym * b_rk[None, :]).to(DT).to(MM)     # -(M + M^T) with kn = rk * k on the contraction side
+
+    p_part = (tok[:, None] * HV + i_hv) * K + o_k[None, :]
+    b_dk = tl.load(dk_v + p_part, mask=m_tk, other=0.0).to(ACC)
+    b_dk = tl.dot(-b_msym, b_k.to(MM), b_dk, input_precision=PREC, out_dtype=ACC)
+    tl.store(dk_v + p_part, b_dk, mask=m_tk)
+    p_g = dg_part + tok * HV + i_hv
+    b_db += tl.load(p_g + 3 * s_dgp, mask=m_t, other=0.0)
+    b_dgv = tl.cumsum(b_dc, axis=0, reverse=True) + tl.load(p_g, mask=m_t, other=0.0) \
+        + tl.load(p_g + s_dgp, mask=m_t, other=0.0) + tl.load(p_g + 2 * s_dgp, mask=m_t, other=0.0)
+    tl.store(dg + tok * HV + i_hv, b_dgv.to(dg.dtype.element_ty), mask=m_t)
+    tl.store(dbeta + tok * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+
+
+@triton.jit
+def chunk_bwd_qk_kernel(
+    q, k, rq, rk, dq_v, dk_v, dkb_v, dq, dk, cu_seqlens, chunk_indices, scale, T,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
+    VARLEN: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr,
+):
+    """One chunk x one q/k head: sum the per-value-head gradients of its group (GVA), then
+    ``dq = scale dQ`` / ``dk = dK`` through the L2 norm: ``dx = r (dy - y (y.dy))`` with ``y = x r``."""
     GR: tl.constexpr = HV // H
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
     row, bos, tok0, L, i_c = _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
-    o_v = tl.arange(0, BV)
-    m_v = o_v < V
     t = i_c * C + o_c
     m_t = t < L
-    n_valid = tl.minimum(L - i_c * C, C)
     tok = tok0 + t
     st = (bos + t).to(tl.int64)
-    m_tv = m_t[:, None] & m_v[None, :]
-    m_cc = m_t[:, None] & (o_c < n_valid)[None, :]
-    m_cct = (o_c < n_valid)[:, None] & m_t[None, :]
-    causal = o_c[:, None] >= o_c[None, :]
-    strict = o_c[:, None] > o_c[None, :]
-    strict_t = o_c[:, None] < o_c[None, :]
-    if L2NORM:
-        b_rk = tl.load(rk + tok * H + i_h, mask=m_t, other=0.0)
-    else:
-        b_rk = tl.zeros([C], dtype=ACC) + 1.0
-    p_k = k + row * s_kb + st[:, None] * s_kt + i_h * s_kh
-    p_part = (tok[:, None] * H + i_h) * K
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-
-    for j in range(0, GR):
-        i_hv = i_h * GR + j
-        b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
-        b_b = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
-        b_gl = tl.sum(tl.where(o_c == n_valid - 1, b_gc, 0.0), axis=0)
-        b_gc = tl.where(m_t, b_gc, b_gl)
-        b_eg = tl.exp(b_gc)
-        p_tv = (tok[:, None] * HV + i_hv) * V + o_v[None, :]
-        b_dvn = tl.load(dvn + p_tv, mask=m_tv, other=0.0).to(MM)
-        b_vn = tl.load(vn + p_tv, mask=m_tv, other=0.0).to(MM)
-        b_ait = tl.load(ainv + (tok[None, :] * HV + i_hv) * C + o_c[:, None], mask=m_cct,
-                        other=0.0).to(DT).to(MM)                                     # Ainv^T, loaded transposed
-        b_dvb = tl.dot(b_ait, b_dvn, input_precision=PREC, out_dtype=ACC)            # dVb = Ainv^T dVn
-        tl.store(dv + p_tv, (b_dvb * b_b[:, None]).to(dv.dtype.element_ty), mask=m_tv)
-        b_v = tl.load(v + row * s_vb + st[:, None] * s_vt + i_hv * s_vh + o_v[None, :], mask=m_tv, other=0.0)
-        b_db = tl.sum(b_dvb * b_v.to(ACC), axis=1)
-        b_dvb = b_dvb.to(DT).to(MM)
-
-        # C x C: dA = -dVb Vn^T (strictly lower part), dA^T = -(Vn dVn^T) Ainv, A = SL * diag(b) (Gam * K K^T)
-        b_gam = tl.where(causal, tl.exp(tl.where(causal, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
-        b_kk = tl.dot(tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(MM),
-                      tl.trans(tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(MM)),
-                      input_precision=PREC, out_dtype=ACC)
-        b_nda = tl.dot(b_dvb, tl.trans(b_vn), input_precision=PREC, out_dtype=ACC)     # -dA
-        b_dagk = tl.where(strict, b_nda * b_gam * b_kk * (b_rk[:, None] * b_rk[None, :]), 0.0)
-        b_db -= tl.sum(b_dagk, axis=1)
-        b_daa = b_dagk * b_b[:, None]                                                # -dA * A
-        b_dc = tl.sum(b_daa, axis=0) - tl.sum(b_daa, axis=1)
-        b_msym = tl.where(strict, b_nda * b_gam * b_b[:, None], 0.0)
-        b_vdv = tl.dot(b_vn, tl.trans(b_dvn), input_precision=PREC, out_dtype=ACC)   # Vn dVn^T
-        b_ai = tl.load(ainv + (tok[:, None] * HV + i_hv) * C + o_c[None, :], mask=m_cc, other=0.0).to(DT).to(MM)
-        b_ndat = tl.dot(b_vdv.to(DT).to(MM), b_ai, input_precision=PREC, out_dtype=ACC)  # -dA^T
-        b_gamt = tl.where(strict_t, tl.exp(tl.where(strict_t, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0)
-        b_msym += b_ndat * b_gamt * b_b[None, :]
-        b_msym = (b_msym * b_rk[None, :]).to(DT).to(MM)     # -(M + M^T) with kn = rk * k on the contraction side
-
-        b_kdkb = tl.zeros([C], dtype=ACC)
-        hoff = (i_t.to(tl.int64) * HV + i_hv) * K * V
-        for kb in tl.static_range(0, BK, BKB):
-            o_kb = kb + tl.arange(0, BKB)
-            m_kb = o_kb < K
-            m_tkb = m_t[:, None] & m_kb[None, :]
-            b_kb = tl.load(p_k + o_kb[None, :], mask=m_tkb, other=0.0)
-            b_hb = tl.load(hs + hoff + o_kb[:, None] * V + o_v[None, :], mask=m_kb[:, None] & m_v[None, :],
-                           other=0.0).to(MM)
-            b_ndkb = tl.dot(b_dvb, tl.trans(b_hb), input_precision=PREC, out_dtype=ACC)   # -dKb = dVb H^T
-            b_kdkb += tl.sum(b_kb.to(ACC) * b_ndkb, axis=1)
-            b_dkb = tl.dot(b_msym, b_kb.to(MM), b_ndkb * (b_b * b_eg)[:, None], input_precision=PREC, out_dtype=ACC)
-            p_dkb = dk_part + p_part + o_kb[None, :]
-            tl.store(p_dkb, tl.load(p_dkb, mask=m_tkb, other=0.0) - b_dkb, mask=m_tkb)
-        b_kdkb = b_kdkb * b_rk * b_eg
-        b_db -= b_kdkb
-        b_dc -= b_kdkb * b_b
-        b_dgv = tl.cumsum(b_dc, axis=0, reverse=True) + tl.load(dg_part + tok * HV + i_hv, mask=m_t, other=0.0)
-        tl.store(dg + tok * HV + i_hv, b_dgv.to(dg.dtype.element_ty), mask=m_t)
-        tl.store(dbeta + tok * HV + i_hv, b_db.to(dbeta.dtype.element_ty), mask=m_t)
-
-    b_dk = tl.load(dk_part + p_part + o_k[None, :], mask=m_tk, other=0.0)
+    b_dq = tl.zeros([C, BK], dtype=ACC)
+    b_dk = tl.zeros([C, BK], dtype=ACC)
+    for j in tl.static_range(GR):
+        p_part = (tok[:, None] * HV + i_h * GR + j) * K + o_k[None, :]
+        b_dq += tl.load(dq_v + p_part, mask=m_tk, other=0.0).to(ACC)
+        b_dk += tl.load(dk_v + p_part, mask=m_tk, other=0.0).to(ACC)
+        b_dk += tl.load(dkb_v + p_part, mask=m_tk, other=0.0).to(ACC)
+    p_out = (tok[:, None] * H + i_h) * K + o_k[None, :]
     if L2NORM:
-        b_kf = tl.load(p_k + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        b_rq = tl.load(rq + tok * H + i_h, mask=m_t, other=0.0)
+        b_rk = tl.load(rk + tok * H + i_h, mask=m_t, other=0.0)
+        b_qf = tl.load(q + row * s_qb + st[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        b_kf = tl.load(k + row * s_kb + st[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.0).to(ACC)
+        b_dq = (b_rq * scale)[:, None] * (b_dq - b_qf * (tl.sum(b_qf * b_dq, axis=1) * b_rq * b_rq)[:, None])
         b_dk = b_rk[:, None] * (b_dk - b_kf * (tl.sum(b_kf * b_dk, axis=1) * b_rk * b_rk)[:, None])
-    tl.store(dk + p_part + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    else:
+        b_dq = b_dq * scale
+    tl.store(dq + p_out, b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + p_out, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -519,7 +608,7 @@ def _dh_config(V: int, n_prog: int, device):
 def _main_config(part: str):
     """(num_warps, num_stages) of parallel kernel A / B (env GDN_BWD_{A,B}_WARPS / _STAGES). 4 warps: the chained
     M = 64 dots get one warpgroup (Triton puts all warps along M for chained dots, 8 warps would duplicate)."""
-    return _cfg(f"GDN_BWD_{part}_WARPS", 4), _cfg(f"GDN_BWD_{part}_STAGES", 1)
+    return _cfg(f"GDN_BWD_{part}_WARPS", 4), _cfg(f"GDN_BWD_{part}_STAGES", 2)
 
 
 def _segment_len(N: int, nchunks, HV: int, nv: int, device, force: Optional[int]) -> Optional[int]:
@@ -586,6 +675,12 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     l2 = bool(use_qk_l2norm_in_kernel)
     if l2 and rq is None:
         rq, rk = l2_rnorm(q), l2_rnorm(k)
+    mm = _mm_dtype(w.dtype)
+    chunk_bwd_dv_local_kernel[(ci.NT, HV)](
+        q, k, g_cum, do, rq, rk, dvn, cu_seqlens, ci.chunk_indices, float(scale), T, *_strides(q), *_strides(k),
+        *_strides(do), H=H, HV=HV, K=K, V=V, C=C, BK=max(16, triton.next_power_of_2(K)),
+        BV=min(64, max(16, triton.next_power_of_2(V))), VARLEN=cu_seqlens is not None, L2NORM=l2,
+        ACC=_acc_dtype(q.dtype), MM=mm, PREC=_dot_precision(w.dtype), num_warps=4, num_stages=2)
     BV, nw, ns = _dh_config(V, ci.N * HV, dev)
     BK = max(16, triton.next_power_of_2(K))
     seg = _segment_len(ci.N, ci.nchunks, HV, triton.cdiv(V, BV), dev, segment_chunks)
@@ -626,9 +721,11 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
 
 def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_seqlens, chunk_size,
                    use_qk_l2norm_in_kernel, *, g_dtype=None, chunk_index=None, rq=None, rk=None):
-    """Parallel per-chunk gradients: kernel A (output/state terms: dq, partial dk and dg) then kernel B (WY terms:
-    dv, dbeta, dg, dk). Returns ``(dq, dk, dv, dbeta, dg)`` in the dtypes of q, k, v, beta and ``g_dtype`` (default
-    g_cum's). ``v_new``'s dtype is the dot operand dtype."""
+    """Parallel per-chunk gradients: kernel A (output/state terms, per value head and side), kernel B (WY terms:
+    dv, dbeta, dg, dk terms), then the q/k kernel (GVA sum, L2-norm backward). Returns ``(dq, dk, dv, dbeta, dg)`` in
+    the dtypes of q, k, v, beta and ``g_dtype`` (default g_cum's). ``v_new``'s dtype is the dot operand dtype.
+    Scratch: dQ and the dKb terms per value head [B, T, HV, K] (dot dtype), dK per value head (fp32), four
+    dg / dbeta slots [4, B, T, HV] (fp32)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     C = int(chunk_size)
@@ -648,22 +745,31 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     if l2 and rq is None:
         rq, rk = l2_rnorm(q), l2_rnorm(k)
     acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq_part = torch.empty(B, T, H, K, dtype=acc_t, device=dev)
-    dk_part = torch.empty(B, T, H, K, dtype=acc_t, device=dev)
-    dg_part = torch.empty(B, T, HV, dtype=acc_t, device=dev)
+    dq_v = torch.empty(B, T, HV, K, dtype=v_new.dtype, device=dev)
+    dk_v = torch.empty(B, T, HV, K, dtype=acc_t, device=dev)
+    dkb_v = torch.empty(B, T, HV, K, dtype=v_new.dtype, device=dev)
+    dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
     g_cum = g_cum.contiguous()
     BK = max(16, triton.next_power_of_2(K))
-    meta = dict(H=H, HV=HV, K=K, V=V, C=C, BK=BK, BKB=min(BK, _cfg("GDN_BWD_BKB", 64)),
-                BV=max(16, triton.next_power_of_2(V)), VARLEN=cu_seqlens is not None, L2NORM=l2,
-                ACC=_acc_dtype(q.dtype), MM=_mm_dtype(v_new.dtype), PREC=_dot_precision(v_new.dtype))
+    meta = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None, L2NORM=l2, ACC=_acc_dtype(q.dtype))
+    mm = dict(V=V, BV=min(_cfg("GDN_BWD_BV", 64), max(16, triton.next_power_of_2(V))), MM=_mm_dtype(v_new.dtype),
+              PREC=_dot_precision(v_new.dtype))
     nw, ns = _main_config("A")
-    chunk_bwd_out_kernel[(NT, H)](
-        q, k, g_cum, v_new, do, h, gs, rq, rk, dq, dq_part, dk_part, dg_part, cu_seqlens, ci.chunk_indices,
-        float(scale), T, *_strides(q), *_strides(k), *_strides(do), num_warps=nw, num_stages=ns, **meta)
+    beta = beta.contiguous()
+    ainv = ainv.contiguous()
+    chunk_bwd_out_kernel[(NT, HV, 3)](
+        q, k, g_cum, v_new, do, h, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, dkb_v, cu_seqlens,
+        ci.chunk_indices,
+        float(scale), T, B * T * HV, *_strides(q), *_strides(k), *_strides(do), num_warps=nw, num_stages=ns,
+        **meta, **mm)
     nw, ns = _main_config("B")
-    chunk_bwd_wy_kernel[(NT, H)](
-        k, v, g_cum, beta.contiguous(), ainv.contiguous(), v_new, dvn, h, rk, dk, dv, dbeta, dg, dk_part, dg_part,
-        cu_seqlens, ci.chunk_indices, T, *_strides(k), *_strides(v), num_warps=nw, num_stages=ns, **meta)
+    chunk_bwd_wy_kernel[(NT, HV)](
+        k, v, g_cum, beta, ainv, v_new, dvn, rk, dv, dbeta, dg, dk_v, dg_part,
+        cu_seqlens, ci.chunk_indices, T, B * T * HV, *_strides(k), *_strides(v), num_warps=nw, num_stages=ns,
+        **meta, **mm)
+    chunk_bwd_qk_kernel[(NT, H)](
+        q, k, rq, rk, dq_v, dk_v, dkb_v, dq, dk, cu_seqlens, ci.chunk_indices, float(scale), T, *_strides(q),
+        *_strides(k), num_warps=4, **meta)
     return dq, dk, dv, dbeta, dg
 
 
