@@ -88,7 +88,7 @@ def chunk_backward_strong_decay(device):
     """g = -30: dg is ~exp(-30) small, so it is measured against the scale of dv instead of its own norm."""
     mine, ref = _case(device, torch.float32, varlen=False, g_range=(-30.0, -30.0))
     out = [r for r in _results("g=-30 fp32", mine, ref, _TOL[torch.float32]) if not r.case.endswith(" dg")]
-    dg_err = (mine[3].detach().cpu().double() - ref[3]).norm().item() / ref[2].norm().item()
+    dg_err = (mine[3].detach().to(ref[3]) - ref[3]).norm().item() / ref[2].norm().item()
     out.append(Result("chunk_backward", "g=-30 fp32 dg (vs |dv|)", dg_err, 1e-5))
     return out
 
