@@ -295,7 +295,7 @@ def chunk_bwd_dh_merge_kernel(
 
 @triton.jit
 def chunk_bwd_out_kernel(
-    q, k, gcum, vn, do, hs, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, dkb_v,
+    q, k, gcum, vn, do, hs, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn,
     cu_seqlens, chunk_indices, scale, T, s_dgp,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
@@ -306,12 +306,12 @@ def chunk_bwd_out_kernel(
     ``O = diag(e^c) Q H + (Q K^T * Gam) Vn`` and ``Hnext = e^cL H + (diag(e^(cL - c)) K)^T Vn``.
 
     side 0 (dQ): ``dPm = (dO Vn^T) * Gam``, ``dQ = diag(e^c) dO H^T + dPm K`` -> ``dq_v`` [B, T, HV, K] (gradient of
-    Q = scale qn, per value head); its gate terms ``revcumsum(Q.dQ - K.(dPm^T Q))`` -> ``dg_part[0]`` (``dg_part``
-    is [4, B*T*HV] fp32, slot stride ``s_dgp``).
-    side 1 (dK): ``dKs = diag(e^(cL - c)) Vn Gm^T``, ``dK = dPmT Q + dKs`` -> ``dk_v`` (fp32, kernel B adds its WY
-    terms); ``sum_{s < t} k_s.dKs_s + e^cL <H, Gm>`` -> ``dg_part[1]``.
-    side 2 (WY through H): ``-dKb = (Ainv^T dVn) H^T`` -> ``dkb_v`` gets ``-diag(b e^c) (-dKb)`` (dot dtype),
-    ``dg_part[2]`` / ``dg_part[3]`` its gate / beta terms.
+    Q = scale qn, per value head); its gate terms ``revcumsum(Q.dQ - K.(dPm^T Q)) + e^cL <H, Gm>`` -> ``dg_part[0]``
+    (``dg_part`` is [4, B*T*HV] fp32, slot stride ``s_dgp``).
+    side 1 (dK): first the WY terms through H, ``-dKb = (Ainv^T dVn) H^T`` (gate / beta terms -> ``dg_part[2]`` /
+    ``dg_part[3]``), then on the same accumulator ``dKs = diag(e^(cL - c)) Vn Gm^T``, so
+    ``dK = dPmT Q + dKs + diag(b e^c) dKb`` -> ``dk_v`` (fp32; kernel B adds its terms);
+    ``sum_{s < t} k_s.dKs_s`` -> ``dg_part[1]``.
     The V contractions run over V tiles of BV columns (dO, Vn, H, Gm, dVn tiles stream; at most two accumulators
     per side, so nothing spills at 4 warps)."""
     DT = vn.dtype.element_ty
@@ -351,14 +351,18 @@ def chunk_bwd_out_kernel(
     if side == 0:
         b_dpm = tl.zeros([C, C], dtype=ACC)
         b_dqs = tl.zeros([C, BK], dtype=ACC)
+        b_hgs = tl.zeros([], dtype=ACC)
         for v0 in tl.static_range(0, V, BV):
             o_v = v0 + tl.arange(0, BV)
             m_v = o_v < V
             m_tv = m_t[:, None] & m_v[None, :]
+            m_kv = m_k[:, None] & m_v[None, :]
             b_do = tl.load(p_do + o_v[None, :], mask=m_tv, other=0.0).to(DT).to(MM)
             b_vn = tl.load(p_vn + o_v[None, :], mask=m_tv, other=0.0).to(MM)
-            b_h = tl.load(hs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
-                          other=0.0).to(MM)                                                  # H [BK, BV]
+            b_h = tl.load(hs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)   # H [BK, BV]
+            b_hgs += tl.sum(tl.sum(b_h.to(ACC) * tl.load(gs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_kv,
+                                                         other=0.0).to(ACC), axis=1), axis=0)
+            b_h = b_h.to(MM)
             b_dpm = tl.dot(b_do, tl.trans(b_vn), b_dpm, input_precision=PREC, out_dtype=ACC)   # dO Vn^T
             b_dqs = tl.dot(b_do, tl.trans(b_h), b_dqs, input_precision=PREC, out_dtype=ACC)    # dO H^T
         causal = o_c[:, None] >= o_c[None, :]
@@ -373,41 +377,14 @@ def chunk_bwd_out_kernel(
         b_dq = tl.dot((b_dpm * b_rk[None, :]).to(DT).to(MM), b_k.to(MM), b_dqs, input_precision=PREC,
                       out_dtype=ACC)
         tl.store(dq_v + p_part, b_dq.to(dq_v.dtype.element_ty), mask=m_tk)
-        tl.store(dg_part + tok * HV + i_hv, tl.cumsum(b_dc, axis=0, reverse=True), mask=m_t)
-    elif side == 1:
-        b_dpmt = tl.zeros([C, C], dtype=ACC)
-        b_dks = tl.zeros([C, BK], dtype=ACC)
-        b_hgs = tl.zeros([], dtype=ACC)
-        for v0 in tl.static_range(0, V, BV):
-            o_v = v0 + tl.arange(0, BV)
-            m_v = o_v < V
-            m_tv = m_t[:, None] & m_v[None, :]
-            m_kv = m_k[:, None] & m_v[None, :]
-            b_do = tl.load(p_do + o_v[None, :], mask=m_tv, other=0.0).to(DT).to(MM)
-            b_vn = tl.load(p_vn + o_v[None, :], mask=m_tv, other=0.0).to(MM)
-            b_g = tl.load(gs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)   # Gm [BK, BV]
-            b_h = tl.load(hs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
-            b_hgs += tl.sum(tl.sum(b_h.to(ACC) * b_g.to(ACC), axis=1), axis=0)
-            b_dpmt = tl.dot(b_vn, tl.trans(b_do), b_dpmt, input_precision=PREC, out_dtype=ACC)   # Vn dO^T
-            b_dks = tl.dot(b_vn, tl.trans(b_g.to(MM)), b_dks, input_precision=PREC, out_dtype=ACC)  # Vn Gm^T
-        b_gamt = tl.where(strict, 0.0, tl.exp(tl.where(strict, 0.0, b_gc[None, :] - b_gc[:, None])))
-        b_dpmt = (b_dpmt * b_gamt * b_sq[None, :]).to(DT).to(MM)                     # (Vn dO^T) * Gam^T
-        b_dks = b_dks * tl.exp(b_gl - b_gc)[:, None]
-        b_q = tl.load(p_q, mask=m_tk, other=0.0)
-        b_k = tl.load(p_k, mask=m_tk, other=0.0)
-        b_kdks = tl.sum(b_k.to(ACC) * b_dks, axis=1) * b_rk
-        b_dk = tl.dot(b_dpmt, b_q.to(MM), b_dks, input_precision=PREC, out_dtype=ACC)
-        tl.store(dk_v + p_part, b_dk.to(dk_v.dtype.element_ty), mask=m_tk)
-        # dg_t gets sum_{s >= t} of (-k_s.dKs_s at s, + sum_s k_s.dKs_s at the last position) = sum_{s < t} k_s.dKs_s
-        b_dg1 = (tl.cumsum(b_kdks, axis=0) - b_kdks) + b_hgs * tl.exp(b_gl)
-        tl.store(dg_part + s_dgp + tok * HV + i_hv, b_dg1, mask=m_t)
+        tl.store(dg_part + tok * HV + i_hv, tl.cumsum(b_dc, axis=0, reverse=True) + b_hgs * tl.exp(b_gl), mask=m_t)
     else:
-        # WY part through H: dVb = Ainv^T dVn, -dKb = dVb H^T -> dk terms -(b e^c) (-dKb) into ``dkb_v``;
+        # phase 1, the WY part through H: dVb = Ainv^T dVn, -dKb = dVb H^T; its dk terms are -(b e^c) (-dKb);
         # kdkb = r_k e^c k.(-dKb): dbeta -= kdkb (slot 3), dc -= b kdkb (slot 2, reverse-cumsummed)
         m_cct = (o_c < n_valid)[:, None] & m_t[None, :]
         b_ait = tl.load(ainv + (tok[None, :] * HV + i_hv) * C + o_c[:, None], mask=m_cct,
                         other=0.0).to(DT).to(MM)                                 # Ainv^T, loaded transposed
-        b_ndkb = tl.zeros([C, BK], dtype=ACC)
+        b_acc = tl.zeros([C, BK], dtype=ACC)
         for v0 in tl.static_range(0, V, BV):
             o_v = v0 + tl.arange(0, BV)
             m_v = o_v < V
@@ -416,15 +393,43 @@ def chunk_bwd_out_kernel(
             b_h = tl.load(hs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
                           other=0.0).to(MM)
             b_dvb = tl.dot(b_ait, b_dvn, input_precision=PREC, out_dtype=ACC).to(DT).to(MM)
-            b_ndkb = tl.dot(b_dvb, tl.trans(b_h), b_ndkb, input_precision=PREC, out_dtype=ACC)
+            b_acc = tl.dot(b_dvb, tl.trans(b_h), b_acc, input_precision=PREC, out_dtype=ACC)   # -dKb
         b_b = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
         b_eg = tl.exp(b_gc)
         b_fb = b_b * b_eg
         b_k = tl.load(p_k, mask=m_tk, other=0.0)
-        b_kdkb = tl.sum(b_k.to(ACC) * b_ndkb, axis=1) * b_rk * b_eg
-        tl.store(dkb_v + p_part, (-(b_ndkb * b_fb[:, None])).to(dkb_v.dtype.element_ty), mask=m_tk)
+        b_kn = tl.sum(b_k.to(ACC) * b_acc, axis=1)                                  # k.(-dKb)
+        b_kdkb = b_kn * b_rk * b_eg
         tl.store(dg_part + 2 * s_dgp + tok * HV + i_hv, -tl.cumsum(b_kdkb * b_b, axis=0, reverse=True), mask=m_t)
         tl.store(dg_part + 3 * s_dgp + tok * HV + i_hv, -b_kdkb, mask=m_t)
+
+        # phase 2 on the same accumulator: dK = dPmT Q + dKs - diag(b e^c) (-dKb), with
+        # dKs = diag(e^(cL - c)) Vn Gm^T (the row factor goes on the Vn tile, so one accumulator holds all of dK)
+        b_acc = b_acc * (-b_fb)[:, None]
+        b_egl = tl.exp(b_gl - b_gc)
+        b_dpmt = tl.zeros([C, C], dtype=ACC)
+        for v0 in tl.static_range(0, V, BV):
+            o_v = v0 + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_do = tl.load(p_do + o_v[None, :], mask=m_tv, other=0.0).to(DT).to(MM)
+            b_vn = tl.load(p_vn + o_v[None, :], mask=m_tv, other=0.0)
+            b_g = tl.load(gs + hoff + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                          other=0.0)                                                             # Gm [BK, BV]
+            b_dpmt = tl.dot(b_vn.to(MM), tl.trans(b_do), b_dpmt, input_precision=PREC, out_dtype=ACC)   # Vn dO^T
+            b_vne = (b_vn.to(ACC) * b_egl[:, None]).to(DT).to(MM)
+            b_acc = tl.dot(b_vne, tl.trans(b_g.to(MM)), b_acc, input_precision=PREC, out_dtype=ACC)  # + dKs
+        # k.dKs = k.acc + b e^c k.(-dKb)   (k reloaded: keeping it across the loop costs registers)
+        b_k = tl.load(p_k, mask=m_tk, other=0.0)
+        b_kdks = (tl.sum(b_k.to(ACC) * b_acc, axis=1) + b_fb * b_kn) * b_rk
+        b_gamt = tl.where(strict, 0.0, tl.exp(tl.where(strict, 0.0, b_gc[None, :] - b_gc[:, None])))
+        b_dpmt = (b_dpmt * b_gamt * b_sq[None, :]).to(DT).to(MM)                     # (Vn dO^T) * Gam^T
+        b_q = tl.load(p_q, mask=m_tk, other=0.0)
+        b_dk = tl.dot(b_dpmt, b_q.to(MM), b_acc, input_precision=PREC, out_dtype=ACC)
+        tl.store(dk_v + p_part, b_dk.to(dk_v.dtype.element_ty), mask=m_tk)
+        # dg_t gets sum_{s >= t} of (-k_s.dKs_s at s, + sum_s k_s.dKs_s at the last position) = sum_{s < t} k_s.dKs_s
+        b_dg1 = tl.cumsum(b_kdks, axis=0) - b_kdks
+        tl.store(dg_part + s_dgp + tok * HV + i_hv, b_dg1, mask=m_t)
 
 
 @triton.jit
@@ -438,9 +443,9 @@ def chunk_bwd_wy_kernel(
 ):
     """Parallel part B, one chunk x one value head: the WY / UT-transform backward
     ``dVb = Ainv^T dVn, dA = -dVb Vn^T, dA^T = -(Vn dVn^T) Ainv`` (V contractions over V tiles; the ``dKb = -dVb H^T``
-    terms are kernel A's side 2). Writes dv, dbeta (+ ``dg_part[3]``), dg (= ``dg_part[0..2]`` + these terms) and
-    adds its dk terms to ``dk_v`` (per value head, fp32; :func:`chunk_bwd_qk_kernel` sums the value heads, adds
-    ``dkb_v`` and applies the L2-norm backward)."""
+    terms are kernel A's side 1). Writes dv, dbeta (+ ``dg_part[3]``), dg (= ``dg_part[0..2]`` + these terms) and
+    adds its dk terms to ``dk_v`` (per value head, fp32; :func:`chunk_bwd_qk_kernel` sums the value heads and
+    applies the L2-norm backward)."""
     DT = vn.dtype.element_ty
     i_t = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -518,7 +523,7 @@ def chunk_bwd_wy_kernel(
 
 @triton.jit
 def chunk_bwd_qk_kernel(
-    q, k, rq, rk, dq_v, dk_v, dkb_v, dq, dk, cu_seqlens, chunk_indices, scale, T,
+    q, k, rq, rk, dq_v, dk_v, dq, dk, cu_seqlens, chunk_indices, scale, T,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, C: tl.constexpr, BK: tl.constexpr,
     VARLEN: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr,
@@ -542,7 +547,6 @@ def chunk_bwd_qk_kernel(
         p_part = (tok[:, None] * HV + i_h * GR + j) * K + o_k[None, :]
         b_dq += tl.load(dq_v + p_part, mask=m_tk, other=0.0).to(ACC)
         b_dk += tl.load(dk_v + p_part, mask=m_tk, other=0.0).to(ACC)
-        b_dk += tl.load(dkb_v + p_part, mask=m_tk, other=0.0).to(ACC)
     p_out = (tok[:, None] * H + i_h) * K + o_k[None, :]
     if L2NORM:
         b_rq = tl.load(rq + tok * H + i_h, mask=m_t, other=0.0)
@@ -725,7 +729,7 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     """Parallel per-chunk gradients: kernel A (output/state terms, per value head and side), kernel B (WY terms:
     dv, dbeta, dg, dk terms), then the q/k kernel (GVA sum, L2-norm backward). Returns ``(dq, dk, dv, dbeta, dg)`` in
     the dtypes of q, k, v, beta and ``g_dtype`` (default g_cum's). ``v_new``'s dtype is the dot operand dtype.
-    Scratch: dQ and the dKb terms per value head [B, T, HV, K] (dot dtype), dK per value head (fp32), four
+    Scratch: dQ per value head [B, T, HV, K] (dot dtype), dK per value head (fp32), four
     dg / dbeta slots [4, B, T, HV] (fp32)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -748,7 +752,6 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq_v = torch.empty(B, T, HV, K, dtype=v_new.dtype, device=dev)
     dk_v = torch.empty(B, T, HV, K, dtype=acc_t, device=dev)
-    dkb_v = torch.empty(B, T, HV, K, dtype=v_new.dtype, device=dev)
     dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
     g_cum = g_cum.contiguous()
     BK = max(16, triton.next_power_of_2(K))
@@ -758,8 +761,8 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     nw, ns = _main_config("A")
     beta = beta.contiguous()
     ainv = ainv.contiguous()
-    chunk_bwd_out_kernel[(NT, HV, 3)](
-        q, k, g_cum, v_new, do, h, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, dkb_v, cu_seqlens,
+    chunk_bwd_out_kernel[(NT, HV, 2)](
+        q, k, g_cum, v_new, do, h, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, cu_seqlens,
         ci.chunk_indices,
         float(scale), T, B * T * HV, *_strides(q), *_strides(k), *_strides(do), num_warps=nw, num_stages=ns,
         **meta, **mm)
@@ -769,7 +772,7 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
         cu_seqlens, ci.chunk_indices, T, B * T * HV, *_strides(k), *_strides(v), num_warps=nw, num_stages=ns,
         **meta, **mm)
     chunk_bwd_qk_kernel[(NT, H)](
-        q, k, rq, rk, dq_v, dk_v, dkb_v, dq, dk, cu_seqlens, ci.chunk_indices, float(scale), T, *_strides(q),
+        q, k, rq, rk, dq_v, dk_v, dq, dk, cu_seqlens, ci.chunk_indices, float(scale), T, *_strides(q),
         *_strides(k), num_warps=4, **meta)
     return dq, dk, dv, dbeta, dg
 
