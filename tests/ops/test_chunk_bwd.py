@@ -224,6 +224,19 @@ def test_kernels_fp32(H, HV, K, V, C, l2):
     _compare(mine, ref, TOL32)
 
 
+@pytest.mark.parametrize("bv", ["32", "64"])
+def test_kernels_v_tiles(monkeypatch, bv):
+    """V = 80 and K = 24 (not powers of two): the parallel kernels loop over V tiles (the last one partial), the
+    reverse pass runs several V blocks; every masked edge is exercised."""
+    monkeypatch.setenv("GDN_BWD_BV", bv)
+    monkeypatch.setenv("GDN_BWD_DH_BV", bv)
+    x, h0, do, dht = _inputs(1, 37, 1, 2, 24, 80)
+    scale = 24 ** -0.5
+    mine = _kernel_bwd(x.q, x.k, x.v, x.g, x.beta, scale, h0, None, 16, True, do, dht)
+    ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, scale, h0, None, True, do, dht, C=16)
+    _compare(mine, ref, TOL32)
+
+
 def test_kernels_bf16():
     """bf16 inputs and bf16 intermediates (the training configuration): fla-like accuracy."""
     x, h0, do, dht = _inputs(2, 50, 2, 4, 32, 16, dtype=torch.bfloat16)
