@@ -91,9 +91,9 @@ L2_EPS = 1e-6
 # kernels
 # ----------------------------------------------------------------------------------------------------------------------
 @triton.jit
-def _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C: tl.constexpr, VARLEN: tl.constexpr):
-    """(batch row, first token of the sequence in its row, flat token index of that token, sequence length,
-    chunk index inside the sequence) of global chunk i_t, all int64 except the length / chunk (int32)."""
+def _chunk_rows(i_t, cu_seqlens, chunk_indices, T, C: tl.constexpr, VARLEN: tl.constexpr):
+    """The C token rows of global chunk i_t: (batch row of strided inputs, flat token index [C] for contiguous
+    [B*T, ...] tensors, token index inside the batch row [C] (both int64), row mask [C], valid rows n_valid)."""
     if VARLEN:
         i_n = tl.load(chunk_indices + 2 * i_t).to(tl.int64)
         i_c = tl.load(chunk_indices + 2 * i_t + 1)
@@ -110,7 +110,16 @@ def _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C: tl.constexpr, VARLEN: tl.
         L = T
         row = i_n
         tok0 = i_n * T
-    return row, bos, tok0, L, i_c
+    t = i_c * C + tl.arange(0, C)
+    return row, tok0 + t, (bos + t).to(tl.int64), t < L, tl.minimum(L - i_c * C, C)
+
+
+@triton.jit
+def _chunk_gates(gcum, tok, i_hv, m_t, n_valid, HV: tl.constexpr, C: tl.constexpr, ACC: tl.constexpr):
+    """(chunk-local cumulative gates c [C], c at the last valid row cL); padding rows of a partial chunk carry cL."""
+    b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+    b_gl = tl.sum(tl.where(tl.arange(0, C) == n_valid - 1, b_gc, 0.0), axis=0)
+    return tl.where(m_t, b_gc, b_gl), b_gl
 
 
 @triton.jit
@@ -239,18 +248,11 @@ def chunk_bwd_dv_local_kernel(
     i_t = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    row, bos, tok0, L, i_c = _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
+    row, tok, st, m_t, n_valid = _chunk_rows(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
-    t = i_c * C + o_c
-    m_t = t < L
-    n_last = tl.minimum(L - i_c * C, C) - 1
-    tok = tok0 + t
-    st = (bos + t).to(tl.int64)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
-    b_gl = tl.sum(tl.where(o_c == n_last, b_gc, 0.0), axis=0)
-    b_gc = tl.where(m_t, b_gc, b_gl)
+    b_gc, b_gl = _chunk_gates(gcum, tok, i_hv, m_t, n_valid, HV, C, ACC)
     b_k = tl.load(k + row * s_kb + st[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.0)
     b_q = tl.load(q + row * s_qb + st[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.0)
     b_kq = tl.dot(b_k.to(MM), tl.trans(b_q.to(MM)), input_precision=PREC, out_dtype=ACC)
@@ -329,15 +331,10 @@ def chunk_bwd_out_kernel(
     i_hv = tl.program_id(1)
     side = tl.program_id(2)
     i_h = i_hv // (HV // H)
-    row, bos, tok0, L, i_c = _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
+    row, tok, st, m_t, n_valid = _chunk_rows(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    t = i_c * C + o_c
-    m_t = t < L
-    n_valid = tl.minimum(L - i_c * C, C)
-    tok = tok0 + t
-    st = (bos + t).to(tl.int64)
     m_tk = m_t[:, None] & m_k[None, :]
     strict = o_c[:, None] > o_c[None, :]
 
@@ -348,9 +345,7 @@ def chunk_bwd_out_kernel(
         b_rq = tl.zeros([C], dtype=ACC) + 1.0
         b_rk = tl.zeros([C], dtype=ACC) + 1.0
     b_sq = b_rq * scale                          # row factor of Q = scale * qn
-    b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
-    b_gl = tl.sum(tl.where(o_c == n_valid - 1, b_gc, 0.0), axis=0)
-    b_gc = tl.where(m_t, b_gc, b_gl)    # padding rows of a partial chunk carry the last cumulative gate
+    b_gc, b_gl = _chunk_gates(gcum, tok, i_hv, m_t, n_valid, HV, C, ACC)
     p_q = q + row * s_qb + st[:, None] * s_qt + i_h * s_qh + o_k[None, :]
     p_k = k + row * s_kb + st[:, None] * s_kt + i_h * s_kh + o_k[None, :]
     p_do = do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh
@@ -460,25 +455,18 @@ def chunk_bwd_wy_kernel(
     i_t = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_h = i_hv // (HV // H)
-    row, bos, tok0, L, i_c = _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
+    row, tok, st, m_t, n_valid = _chunk_rows(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
-    t = i_c * C + o_c
-    m_t = t < L
-    n_valid = tl.minimum(L - i_c * C, C)
-    tok = tok0 + t
-    st = (bos + t).to(tl.int64)
     m_tk = m_t[:, None] & m_k[None, :]
     strict = o_c[:, None] > o_c[None, :]
     if L2NORM:
         b_rk = tl.load(rk + tok * H + i_h, mask=m_t, other=0.0)
     else:
         b_rk = tl.zeros([C], dtype=ACC) + 1.0
-    b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+    b_gc, b_gl = _chunk_gates(gcum, tok, i_hv, m_t, n_valid, HV, C, ACC)
     b_b = tl.load(beta + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
-    b_gl = tl.sum(tl.where(o_c == n_valid - 1, b_gc, 0.0), axis=0)
-    b_gc = tl.where(m_t, b_gc, b_gl)
     m_cct = (o_c < n_valid)[:, None] & m_t[None, :]
     b_ait = tl.load(ainv + (tok[None, :] * HV + i_hv) * C + o_c[:, None], mask=m_cct,
                     other=0.0).to(DT).to(MM)                                     # Ainv^T, loaded transposed
@@ -543,13 +531,8 @@ def chunk_bwd_qk_kernel(
     GR: tl.constexpr = HV // H
     i_t = tl.program_id(0)
     i_h = tl.program_id(1)
-    row, bos, tok0, L, i_c = _chunk_setup(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
-    o_c = tl.arange(0, C)
+    row, tok, st, m_t, n_valid = _chunk_rows(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
     o_k = tl.arange(0, BK)
-    t = i_c * C + o_c
-    m_t = t < L
-    tok = tok0 + t
-    st = (bos + t).to(tl.int64)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     b_dq = tl.zeros([C, BK], dtype=ACC)
     b_dk = tl.zeros([C, BK], dtype=ACC)
