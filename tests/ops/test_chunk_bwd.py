@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from gdn.reference import chunk_gated_delta_rule_ref, l2norm_ref, sequence_spans
 from gdn.testing import make_inputs, rel_err
