@@ -603,6 +603,11 @@ def _dh_config(V: int, n_prog: int, device):
     return bv, _cfg("GDN_BWD_DH_WARPS", 4), _cfg("GDN_BWD_DH_STAGES", 1)
 
 
+def _v_tile(V: int) -> int:
+    """V tile of the parallel backward kernels (dv_local, parts A and B; env GDN_BWD_BV, default 64)."""
+    return min(_cfg("GDN_BWD_BV", 64), max(16, triton.next_power_of_2(V)))
+
+
 def _main_config(part: str):
     """(num_warps, num_stages) of parallel kernel A / B (env GDN_BWD_{A,B}_WARPS / _STAGES). 4 warps: the chained
     M = 64 dots get one warpgroup (Triton puts all warps along M for chained dots, 8 warps would duplicate)."""
@@ -673,20 +678,17 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     l2 = bool(use_qk_l2norm_in_kernel)
     if l2 and rq is None:
         rq, rk = l2_rnorm(q), l2_rnorm(k)
-    mm = _mm_dtype(w.dtype)
-    chunk_bwd_dv_local_kernel[(ci.NT, HV)](
-        q, k, g_cum, do, rq, rk, dvn, cu_seqlens, ci.chunk_indices, float(scale), T, *_strides(q), *_strides(k),
-        *_strides(do), H=H, HV=HV, K=K, V=V, C=C, BK=max(16, triton.next_power_of_2(K)),
-        BV=min(64, max(16, triton.next_power_of_2(V))), VARLEN=cu_seqlens is not None, L2NORM=l2,
-        ACC=_acc_dtype(q.dtype), MM=mm, PREC=_dot_precision(w.dtype), num_warps=4, num_stages=2)
-    BV, nw, ns = _dh_config(V, ci.N * HV, dev)
     BK = max(16, triton.next_power_of_2(K))
+    meta = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None, L2NORM=l2, ACC=_acc_dtype(q.dtype),
+                MM=_mm_dtype(w.dtype), PREC=_dot_precision(w.dtype))
+    args = (cu_seqlens, float(scale), T, *_strides(q), *_strides(k), *_strides(do))
+    chunk_bwd_dv_local_kernel[(ci.NT, HV)](
+        q, k, g_cum, do, rq, rk, dvn, cu_seqlens, ci.chunk_indices, *args[1:], V=V, BV=_v_tile(V), num_warps=4,
+        num_stages=2, **meta)
+    BV, nw, ns = _dh_config(V, ci.N * HV, dev)
     seg = _segment_len(ci.N, ci.nchunks, HV, triton.cdiv(V, BV), dev, segment_chunks)
     S, segments, seg_offsets = _plan_segments(ci.nchunks, seg, dev)
-    common = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None,
-                  L2NORM=l2, ACC=_acc_dtype(q.dtype), MM=_mm_dtype(w.dtype),
-                  PREC=_dot_precision(w.dtype), num_warps=nw, num_stages=ns)
-    args = (cu_seqlens, float(scale), T, *_strides(q), *_strides(k), *_strides(do))
+    common = dict(meta, num_warps=nw, num_stages=ns)
     if seg is None:
         chunk_bwd_dh_kernel[(triton.cdiv(V, BV), HV, S)](
             q, k, w, g_cum, do, rq, rk, dht, dh0, gs, dvn, segments, ci.chunk_offsets, *args,
@@ -749,14 +751,12 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     g_cum = g_cum.contiguous()
     BK = max(16, triton.next_power_of_2(K))
     meta = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None, L2NORM=l2, ACC=_acc_dtype(q.dtype))
-    mm = dict(V=V, BV=min(_cfg("GDN_BWD_BV", 64), max(16, triton.next_power_of_2(V))), MM=_mm_dtype(v_new.dtype),
-              PREC=_dot_precision(v_new.dtype))
+    mm = dict(V=V, BV=_v_tile(V), MM=_mm_dtype(v_new.dtype), PREC=_dot_precision(v_new.dtype))
     nw, ns = _main_config("A")
     beta = beta.contiguous()
     ainv = ainv.contiguous()
     chunk_bwd_out_kernel[(NT, HV, 2)](
-        q, k, g_cum, v_new, do, h, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, cu_seqlens,
-        ci.chunk_indices,
+        q, k, g_cum, v_new, do, h, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, cu_seqlens, ci.chunk_indices,
         float(scale), T, B * T * HV, *_strides(q), *_strides(k), *_strides(do), num_warps=nw, num_stages=ns,
         **meta, **mm)
     nw, ns = _main_config("B")
