@@ -1,4 +1,5 @@
-"""Tuning sweep for the decode kernel on a GPU: (BV, num_warps) per batch size and state dtype, next to the peers.
+"""Tuning sweep for the decode kernel on a GPU: configurations (``GDN_DECODE_CFG`` strings) per batch size and state
+dtype, next to the peers.
 
     python bench/sweep_decode.py --out $OUT/sweep_decode.json
 
@@ -64,7 +65,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="sweep_decode.json")
     ap.add_argument("--batches", default="1,32,128,512,2048")
-    ap.add_argument("--configs", default="8:2,16:2,16:4,32:4,32:8,64:4,64:8")
+    ap.add_argument("--configs", default="32:2:1:1,16:2:4:8")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     args = ap.parse_args()
     from gdn.ops import gated_delta_rule_decode
 
@@ -86,18 +88,22 @@ def main():
     del x, y
     rows = []
     for B in [int(b) for b in args.batches.split(",")]:
-        for sd in (torch.float32, torch.bfloat16):
+        for sd in [getattr(torch, x) for x in args.dtypes.split(",")]:
             state_bytes = B * HV * K * V * torch.tensor([], dtype=sd).element_size()
             n_buf = max(1, min(64, int(2 * l2 // state_bytes) + 1))
             bufs, A_log, dt_bias = make(B, sd, n_buf)
             moved = 2 * state_bytes + B * (2 * H * K + 2 * HV * V) * 2
             row = dict(B=B, state_dtype=str(sd)[6:], n_buf=n_buf, bytes=moved, copy_GBps=copy_bw)
-            for cfg in args.configs.split(","):
-                bv, w, ev, nl, stg, sc = (cfg.split(":") + ["", "1", "1", ""])[:6]  # BV:warps[:evict[:nv_loop[:stages[:store]]]]
-                os.environ["GDN_RECURRENT_STORE_CACHE"] = sc
-                os.environ["GDN_RECURRENT_BV"], os.environ["GDN_RECURRENT_WARPS"] = bv, w
-                os.environ["GDN_RECURRENT_EVICT"] = ev
-                os.environ["GDN_RECURRENT_NV_LOOP"], os.environ["GDN_RECURRENT_STAGES"] = nl or "1", stg or "1"
+            if fi_decode is not None:  # timed before and after gdn's configurations: the drift between the two is noise
+                try:
+                    row["flashinfer_first"] = graph_time_ms([lambda d=d: fi_decode(
+                        d["q"], d["k"], d["v"], d["state"], A_log, d["a"], dt_bias, d["b"], None, d["out"], True)
+                        for d in bufs])
+                except Exception as e:  # noqa: BLE001
+                    print("flashinfer", repr(e)[:300])
+            for cfg in [c for c in args.configs.split(",") if c]:
+                # GDN_DECODE_CFG of gdn.kernels.recurrent: BV:warps:stages:tiles[:maxnreg[:store_cache]]
+                os.environ["GDN_DECODE_CFG"] = cfg
                 calls = [lambda d=d: gated_delta_rule_decode(d["q"], d["k"], d["v"], d["state"], A_log, d["a"],
                                                              dt_bias, d["b"], use_qk_l2norm=True, output=d["out"])
                          for d in bufs]
@@ -106,10 +112,7 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     row[f"gdn_{cfg}"] = None
                     print("gdn", cfg, repr(e)[:300])
-            os.environ.pop("GDN_RECURRENT_BV")
-            os.environ.pop("GDN_RECURRENT_WARPS")
-            for key in ("GDN_RECURRENT_EVICT", "GDN_RECURRENT_NV_LOOP", "GDN_RECURRENT_STAGES", "GDN_RECURRENT_STORE_CACHE"):
-                os.environ.pop(key)
+                os.environ.pop("GDN_DECODE_CFG", None)
             calls = [lambda d=d: gated_delta_rule_decode(d["q"], d["k"], d["v"], d["state"], A_log, d["a"], dt_bias,
                                                          d["b"], use_qk_l2norm=True, output=d["out"]) for d in bufs]
             row["gdn_default"] = graph_time_ms(calls)

@@ -140,6 +140,12 @@ def _slice(x, s, e):
                        for f in GDNInputs.__dataclass_fields__))
 
 
+def _slice_b(x, n):
+    """Batch row n of fixed-length inputs."""
+    return GDNInputs(*(getattr(x, f)[n:n + 1] if f in ("q", "k", "v", "g", "beta", "a", "b") else getattr(x, f)
+                       for f in GDNInputs.__dataclass_fields__))
+
+
 def test_gates_at_the_edges():
     """g = -30 (forget everything), g = 0 (no decay), beta 0 and 1 stay finite and exact."""
     B, T, H, HV, K, V = 2, 6, 1, 2, 16, 16
@@ -241,3 +247,52 @@ def test_outputs_fully_written():
     gated_delta_rule_decode(x.q, x.k, x.v, st, x.A_log, x.a, x.dt_bias, x.b, output=out,
                             state_indices=torch.tensor([1, -1, 3], device=DEV))
     assert torch.isfinite(out.float()).all()
+
+
+@pytest.mark.parametrize("layout", ["k_last", "v_last"])
+def test_single_token_2d_slots_with_accepted_counts(layout):
+    """T = 1 with 2-D slots (the decode kernel's spec mode): read idx[n, acc[n] - 1], write idx[n, 0]; a sequence
+    whose start slot is -1 gets zeros and touches nothing."""
+    B, H, HV, K, V, P = 4, 1, 2, 16, 16, 12
+    x = make_inputs(B, 1, H, HV, K, V, device=DEV)
+    pool = _state(P, HV, K, V, layout)
+    before = pool.clone()
+    idx = torch.tensor([[0, 1, 2], [3, -1, -1], [6, 7, 8], [9, -1, 11]], device=DEV)
+    acc = torch.tensor([3, 1, 2, 2], device=DEV)
+    o, fin = fused_recurrent_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, ssm_state_indices=idx,
+                                              num_accepted_tokens=acc, inplace_final_state=True, state_layout=layout)
+    written = set()
+    for n in range(B):
+        start = int(idx[n, int(acc[n]) - 1])
+        if start < 0:
+            assert o[n].abs().max() == 0
+            continue
+        ro, rs = _ref(_slice_b(x, n), initial_state=before[start][None].double(), output_final_state=True,
+                      state_layout=layout)
+        assert rel_err(o[n:n + 1], ro) < 1e-5
+        assert rel_err(pool[int(idx[n, 0])], rs[0]) < 1e-5
+        written.add(int(idx[n, 0]))
+    untouched = [r for r in range(P) if r not in written]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("cfg", ["8:1:2:4", "16:2:3:2:0", "8:2:2:3"])
+def test_decode_program_loop_over_tiles(monkeypatch, cfg):
+    """Programs that walk several tiles of a head (software-pipelined): every tile is done once, padding slots give
+    zeros and leave their rows alone (tiles 3 is cut to 2, a divisor of the head's 4 tiles)."""
+    monkeypatch.setenv("GDN_DECODE_CFG", cfg)
+    B, H, HV, K, V, P = 7, 2, 4, 32, 32, 10
+    x = make_inputs(B, 1, H, HV, K, V, dtype=torch.bfloat16, device=DEV)
+    pool = _state(P, HV, K, V, "k_last")
+    before = pool.clone()
+    idx = torch.tensor([5, -1, 0, 9, -1, 3, 7], device=DEV, dtype=torch.int32)
+    out = poison_(torch.empty(B, 1, HV, V, dtype=torch.bfloat16, device=DEV))
+    gated_delta_rule_decode(x.q, x.k, x.v, pool, x.A_log, x.a, x.dt_bias, x.b, use_qk_l2norm=True, state_indices=idx,
+                            output=out)
+    live = [n for n in range(B) if int(idx[n]) >= 0]
+    ro, rs = decode_ref(*to64(x.q, x.k, x.v), before[idx.long().clamp(min=0)].double(),
+                        *to64(x.A_log, x.a, x.dt_bias, x.b), use_qk_l2norm=True)
+    assert rel_err(out[live], ro[live]) < 1e-2 and out[[1, 4]].abs().max() == 0
+    assert rel_err(pool[idx[live].long()], rs[live]) < 5e-3
+    untouched = [r for r in range(P) if r not in idx[live].tolist()]
+    assert torch.equal(pool[untouched], before[untouched])

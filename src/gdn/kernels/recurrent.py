@@ -5,10 +5,13 @@ keeps it in registers in fp32 and walks the sequence's tokens::
 
     S = exp(g_t) S;   u = beta_t (v_t - S^T k_t);   S = S + k_t u^T;   o_t = scale S^T q_t
 
-Grid: ``(N * HV, V / (BV * NV_LOOP))``; a program walks NV_LOOP tiles (pipelined for single-token decode). The state is read once and written once per launch (per token in per-token mode), so the
-kernel is bound by state bytes / copy bandwidth. Pool rows, sequence offsets and token offsets are 64-bit.
+Two kernels share the step (:func:`_delta_rule`) and the modes below: :func:`decode_kernel` for one token per
+sequence (grid: one program per (sequence, value head, group of tiles); the tiles of a program are a
+software-pipelined loop) and :func:`recurrent_gdn_fwd_kernel` for several tokens (grid ``(N * HV, V / BV)``). The
+state is read once and written once per launch (per token in per-token mode), so both are bound by state bytes / copy
+bandwidth. Pool rows, sequence offsets and token offsets are 64-bit.
 
-Constexpr switches (one kernel for every form):
+Constexpr switches:
 - ``GATE_RAW``: g from (A_log, a, dt_bias) in the kernel, else g read (log-space).
 - ``BETA_MODE``: 0 beta = 1, 1 beta read, 2 beta = sigmoid(b) from raw b.
 - ``READ_MODE``: 0 zero start, 1 row n of ``state_in``, 2 pool row ``idx[n]`` (1-D) or ``idx[n, col]`` (2-D; col =
@@ -26,6 +29,16 @@ import triton
 import triton.language as tl
 
 from .common import gdn_gate_value, next_pow2, sigmoid
+
+
+@triton.jit
+def _delta_rule(b_s, b_k, b_q, b_v, b_g, b_beta):
+    """One token on an fp32 state tile ``S`` [BK, BV]: ``S = exp(g) S; u = beta (v - S^T k); S = S + k u^T``.
+    Returns (S, S^T q) (q already scaled)."""
+    b_s = b_s * tl.exp(b_g)
+    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
+    b_s = b_s + b_k[:, None] * b_u[None, :]
+    return b_s, tl.sum(b_s * b_q[:, None], axis=0)
 
 
 @triton.jit
@@ -50,12 +63,30 @@ def _token_step(b_s, q, k, v, g, beta, a, b, o, t, p_q, p_k, p_v, p_o, p_gate, s
         b_beta = tl.load(beta + p_gate + t * HV).to(tl.float32)
     else:
         b_beta = sigmoid(tl.load(b + p_gate + t * HV).to(tl.float32))
-    b_s = b_s * tl.exp(b_g)
-    b_u = b_beta * (b_v - tl.sum(b_s * b_k[:, None], axis=0))
-    b_s = b_s + b_k[:, None] * b_u[None, :]
-    b_o = tl.sum(b_s * b_q[:, None], axis=0)
+    b_s, b_o = _delta_rule(b_s, b_k, b_q, b_v, b_g, b_beta)
     tl.store(p_o + t * (HV * V), b_o.to(o.dtype.element_ty), mask=m_v)
     return b_s
+
+
+@triton.jit
+def _start_row(idx, num_accepted, i_n, s_idx, n_cols, P_in, READ_MODE: tl.constexpr, IDX_2D: tl.constexpr,
+               SPEC: tl.constexpr):
+    """(row, valid) of the state that starts sequence ``i_n`` (int64): row n (READ_MODE 0 / 1), or pool row idx[n]
+    (1-D) / idx[n, col] (2-D, col = num_accepted[n] - 1 with SPEC, else 0); out of range [0, P_in) = padding."""
+    if READ_MODE == 2:
+        if IDX_2D:
+            col = 0
+            if SPEC:
+                col = tl.load(num_accepted + i_n).to(tl.int64) - 1
+                col = tl.minimum(tl.maximum(col, 0), n_cols - 1)
+            row = tl.load(idx + i_n * s_idx + col).to(tl.int64)
+        else:
+            row = tl.load(idx + i_n).to(tl.int64)
+        valid = (row >= 0) & (row < P_in)
+    else:
+        row = i_n
+        valid = row >= 0
+    return row, valid
 
 
 @triton.jit
@@ -65,13 +96,15 @@ def recurrent_gdn_fwd_kernel(
     scale, T, P_in, P_out, n_cols,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_idx,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, NV_LOOP: tl.constexpr,
-    VARLEN: tl.constexpr, SINGLE: tl.constexpr, GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr, GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr,
     L2NORM: tl.constexpr, READ_MODE: tl.constexpr, IDX_2D: tl.constexpr, SPEC: tl.constexpr,
-    WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr, EVICT: tl.constexpr, STORE_CACHE: tl.constexpr,
+    WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr,
 ):
+    """Several tokens per sequence (varlen, speculative verification); single-token decode is :func:`decode_kernel`.
+    Program = (sequence, value head) x BV value columns."""
     i_nh = tl.program_id(0)  # N * HV can pass 65535: keep it on the first grid axis
-    i_vb = tl.program_id(1)  # this program's NV_LOOP tiles of BV value columns
+    i_vb = tl.program_id(1)  # this program's tile of BV value columns
     i_n = i_nh // HV
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
@@ -92,20 +125,7 @@ def recurrent_gdn_fwd_kernel(
     m_k = o_k < K
     head_off = i_hv.to(tl.int64) * (K * V)
 
-    # which state row starts the sequence
-    if READ_MODE == 2:
-        if IDX_2D:
-            col = 0
-            if SPEC:
-                col = tl.load(num_accepted + i_n).to(tl.int64) - 1
-                col = tl.minimum(tl.maximum(col, 0), n_cols - 1)
-            row_in = tl.load(idx + i_n.to(tl.int64) * s_idx + col).to(tl.int64)
-        else:
-            row_in = tl.load(idx + i_n).to(tl.int64)
-        valid = (row_in >= 0) & (row_in < P_in)
-    else:
-        row_in = i_n.to(tl.int64)
-        valid = row_in >= 0
+    row_in, valid = _start_row(idx, num_accepted, i_n.to(tl.int64), s_idx, n_cols, P_in, READ_MODE, IDX_2D, SPEC)
 
     p_q = q + row_b * s_qb + bos * s_qt + i_h * s_qh + o_k
     p_k = k + row_b * s_kb + bos * s_kt + i_h * s_kh + o_k
@@ -116,115 +136,258 @@ def recurrent_gdn_fwd_kernel(
         b_A = tl.load(A_log + i_hv).to(tl.float32)
         b_dtb = tl.load(dt_bias + i_hv).to(tl.float32)
 
+    o_v = i_vb * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_o = o + (tok0 * HV + i_hv) * V + o_v
     if valid:
-        for j in range(NV_LOOP):
-            o_v = (i_vb * NV_LOOP + j) * BV + tl.arange(0, BV)
-            m_v = o_v < V
-            m_s = m_k[:, None] & m_v[None, :]
-            if K_LAST:
-                o_s = o_v[None, :] * K + o_k[:, None]
-            else:
-                o_s = o_k[:, None] * V + o_v[None, :]
-            p_v = v + row_b * s_vb + bos * s_vt + i_hv * s_vh + o_v
-            p_o = o + (tok0 * HV + i_hv) * V + o_v
-            if READ_MODE == 0:
-                b_s = tl.zeros([BK, BV], dtype=tl.float32)
-            else:
-                b_s = tl.load(state_in + row_in * (HV * K * V) + head_off + o_s, mask=m_s, other=0.0,
-                              eviction_policy=EVICT).to(tl.float32)
-            if SINGLE:  # one token (decode): straight-line code, so the tile loop pipelines
-                b_s = _token_step(b_s, q, k, v, g, beta, a, b, o, 0, p_q, p_k, p_v, p_o, p_gate, s_qt, s_kt, s_vt,
-                                  b_A, b_dtb, scale, m_k, m_v, HV, V, GATE_RAW, BETA_MODE, L2NORM)
-            else:
-                for t in range(0, seq_len):
-                    b_s = _token_step(b_s, q, k, v, g, beta, a, b, o, t, p_q, p_k, p_v, p_o, p_gate, s_qt, s_kt,
-                                      s_vt, b_A, b_dtb, scale, m_k, m_v, HV, V, GATE_RAW, BETA_MODE, L2NORM)
-                    if WRITE_MODE == 3:  # the state after token t goes to pool row idx[n, t]
-                        row_t = tl.load(idx + i_n.to(tl.int64) * s_idx + tl.minimum(t, n_cols - 1)).to(tl.int64)
-                        row_t = tl.where(t < n_cols, row_t, -1)
-                        if (row_t >= 0) & (row_t < P_out):
-                            tl.store(state_out + row_t * (HV * K * V) + head_off + o_s,
-                                     b_s.to(state_out.dtype.element_ty), mask=m_s)
-            if WRITE_MODE == 1:
-                tl.store(state_out + i_n.to(tl.int64) * (HV * K * V) + head_off + o_s,
-                         b_s.to(state_out.dtype.element_ty), mask=m_s)
-            elif WRITE_MODE == 2:
-                tl.store(state_out + row_in * (HV * K * V) + head_off + o_s, b_s.to(state_out.dtype.element_ty),
-                         mask=m_s, cache_modifier=STORE_CACHE)
-            elif WRITE_MODE == 3 and SINGLE:
-                row_t = tl.load(idx + i_n.to(tl.int64) * s_idx).to(tl.int64)
+        m_s = m_k[:, None] & m_v[None, :]
+        if K_LAST:
+            o_s = o_v[None, :] * K + o_k[:, None]
+        else:
+            o_s = o_k[:, None] * V + o_v[None, :]
+        p_v = v + row_b * s_vb + bos * s_vt + i_hv * s_vh + o_v
+        if READ_MODE == 0:
+            b_s = tl.zeros([BK, BV], dtype=tl.float32)
+        else:
+            b_s = tl.load(state_in + row_in * (HV * K * V) + head_off + o_s, mask=m_s, other=0.0).to(tl.float32)
+        for t in range(0, seq_len):
+            b_s = _token_step(b_s, q, k, v, g, beta, a, b, o, t, p_q, p_k, p_v, p_o, p_gate, s_qt, s_kt,
+                              s_vt, b_A, b_dtb, scale, m_k, m_v, HV, V, GATE_RAW, BETA_MODE, L2NORM)
+            if WRITE_MODE == 3:  # the state after token t goes to pool row idx[n, t]
+                row_t = tl.load(idx + i_n.to(tl.int64) * s_idx + tl.minimum(t, n_cols - 1)).to(tl.int64)
+                row_t = tl.where(t < n_cols, row_t, -1)
                 if (row_t >= 0) & (row_t < P_out):
                     tl.store(state_out + row_t * (HV * K * V) + head_off + o_s,
                              b_s.to(state_out.dtype.element_ty), mask=m_s)
+        if WRITE_MODE == 1:
+            tl.store(state_out + i_n.to(tl.int64) * (HV * K * V) + head_off + o_s,
+                     b_s.to(state_out.dtype.element_ty), mask=m_s)
+        elif WRITE_MODE == 2:
+            tl.store(state_out + row_in * (HV * K * V) + head_off + o_s, b_s.to(state_out.dtype.element_ty),
+                     mask=m_s)
     else:
         # padding sequence: zeros out, no state row read or written
-        for j in range(NV_LOOP):
-            o_v = (i_vb * NV_LOOP + j) * BV + tl.arange(0, BV)
-            p_o = o + (tok0 * HV + i_hv) * V + o_v
-            for t in range(0, seq_len):
-                tl.store(p_o + t * (HV * V), tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty), mask=o_v < V)
+        for t in range(0, seq_len):
+            tl.store(p_o + t * (HV * V), tl.zeros([BV], dtype=tl.float32).to(o.dtype.element_ty), mask=m_v)
 
 
-def _block_v(N: int, HV: int, K: int, V: int, state_bytes: int, single: bool = True) -> tuple:
-    """(BV, num_warps, NV_LOOP, num_stages) from H200 sweeps (bench/results/sweep_decode*_h200.json, K = V = 128):
-    small batches want many small programs; large fp32 states one program per head with the whole 128x128 tile and
-    8 warps; large 16-bit states 16-column tiles, 8 per program, software-pipelined two deep."""
+@triton.jit
+def _decode_head(q, k, g, beta, A_log, a, dt_bias, b, i_n, i_hv, i_h, scale, s_qb, s_qh, s_kb, s_kh,
+                 HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE_RAW: tl.constexpr,
+                 BETA_MODE: tl.constexpr, L2NORM: tl.constexpr):
+    """Per-head inputs of a decode step: (q * scale, k) [BK] fp32 (L2-normalised with L2NORM), g, beta."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    b_q = tl.load(q + i_n * s_qb + i_h * s_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(k + i_n * s_kb + i_h * s_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    if L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+    gate = i_n * HV + i_hv
+    if GATE_RAW:
+        b_g = gdn_gate_value(tl.load(a + gate).to(tl.float32), tl.load(A_log + i_hv).to(tl.float32),
+                             tl.load(dt_bias + i_hv).to(tl.float32))
+    else:
+        b_g = tl.load(g + gate).to(tl.float32)
+    if BETA_MODE == 0:
+        b_beta = 1.0
+    elif BETA_MODE == 1:
+        b_beta = tl.load(beta + gate).to(tl.float32)
+    else:
+        b_beta = sigmoid(tl.load(b + gate).to(tl.float32))
+    return b_q * scale, b_k, b_g, b_beta
+
+
+@triton.jit
+def _decode_load(p_in, v, i_n, i_hv, v0, valid, s_vb, s_vh, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, READ_MODE: tl.constexpr, K_LAST: tl.constexpr):
+    """State tile [BK, BV] fp32 of columns v0 .. v0 + BV - 1 (zeros unless ``valid``), and v of those columns."""
+    o_k = tl.arange(0, BK)
+    o_v = v0 + tl.arange(0, BV)
+    m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
+    if K_LAST:
+        o_s = o_v[None, :] * K + o_k[:, None]
+    else:
+        o_s = o_k[:, None] * V + o_v[None, :]
+    if READ_MODE == 0:
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    else:
+        b_s = tl.load(p_in + o_s, mask=m_s & valid, other=0.0).to(tl.float32)
+    b_v = tl.load(v + i_n * s_vb + i_hv * s_vh + o_v, mask=o_v < V, other=0.0).to(tl.float32)
+    return b_s, b_v
+
+
+@triton.jit
+def _decode_finish(b_s, b_v, p_out, o, b_q, b_k, b_g, b_beta, i_n, i_hv, v0, valid, ok_out,
+                   HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr, STORE_CACHE: tl.constexpr):
+    """One delta-rule step on a loaded tile; store o (zeros unless valid) and the state (where ``ok_out``)."""
+    o_k = tl.arange(0, BK)
+    o_v = v0 + tl.arange(0, BV)
+    m_v = o_v < V
+    b_s, b_o = _delta_rule(b_s, b_k, b_q, b_v, b_g, b_beta)
+    tl.store(o + (i_n * HV + i_hv) * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
+    if WRITE_MODE != 0:
+        if K_LAST:
+            o_s = o_v[None, :] * K + o_k[:, None]
+        else:
+            o_s = o_k[:, None] * V + o_v[None, :]
+        tl.store(p_out + o_s, b_s.to(p_out.dtype.element_ty), mask=(o_k < K)[:, None] & m_v[None, :] & ok_out,
+                 cache_modifier=STORE_CACHE)
+
+
+@triton.jit
+def decode_kernel(
+    q, k, v, g, beta, A_log, a, dt_bias, b,
+    o, state_in, state_out, idx, num_accepted,
+    scale, P_in, P_out, n_cols,
+    s_qb, s_qh, s_kb, s_kh, s_vb, s_vh, s_idx,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr, L2NORM: tl.constexpr, READ_MODE: tl.constexpr,
+    IDX_2D: tl.constexpr, SPEC: tl.constexpr, WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr,
+    TILES: tl.constexpr, STAGES: tl.constexpr, STORE_CACHE: tl.constexpr,
+):
+    """Single-token decode (T = 1, N = B sequences). Program = (sequence, value head, TILES consecutive tiles of BV
+    value columns; the host makes TILES divide the head's tiles). TILES == 1: straight-line code, the state load
+    issued before the per-head inputs (q, k, their norms, gates) are computed. TILES > 1: the per-head inputs once,
+    then a loop over the tiles software-pipelined ``STAGES`` deep (the next tiles' state loads go to shared memory
+    while this one is computed and stored). Branch-free: a padding sequence (pool row out of range) reads nothing
+    (masked), writes zeros to o and no state. Modes as in :func:`recurrent_gdn_fwd_kernel`."""
+    GROUPS: tl.constexpr = (V + BV * TILES - 1) // (BV * TILES)
+    pid = tl.program_id(0)
+    i_nh = pid // GROUPS
+    v0 = (pid % GROUPS) * (BV * TILES)
+    i_n = (i_nh // HV).to(tl.int64)
+    i_hv = i_nh % HV
+    i_h = i_hv // (HV // H)
+    row_in, valid = _start_row(idx, num_accepted, i_n, s_idx, n_cols, P_in, READ_MODE, IDX_2D, SPEC)
+    if WRITE_MODE == 3:  # the state after the token goes to pool row idx[n, 0]
+        row_out = tl.load(idx + i_n * s_idx).to(tl.int64)
+        ok_out = valid & (row_out >= 0) & (row_out < P_out)
+    elif WRITE_MODE == 1:
+        row_out = i_n
+        ok_out = valid
+    else:
+        row_out = row_in
+        ok_out = valid
+    head = i_hv.to(tl.int64) * (K * V)
+    p_in = state_in + row_in * (HV * K * V) + head
+    p_out = state_out + row_out * (HV * K * V) + head
+    if TILES == 1:  # the state load is issued first, the per-head inputs are computed while it is in flight
+        b_s, b_v = _decode_load(p_in, v, i_n, i_hv, v0, valid, s_vb, s_vh, K, V, BK, BV, READ_MODE, K_LAST)
+        b_q, b_k, b_g, b_beta = _decode_head(q, k, g, beta, A_log, a, dt_bias, b, i_n, i_hv, i_h, scale, s_qb, s_qh,
+                                             s_kb, s_kh, HV, K, BK, GATE_RAW, BETA_MODE, L2NORM)
+        _decode_finish(b_s, b_v, p_out, o, b_q, b_k, b_g, b_beta, i_n, i_hv, v0, valid, ok_out, HV, K, V, BK, BV,
+                       WRITE_MODE, K_LAST, STORE_CACHE)
+    else:
+        b_q, b_k, b_g, b_beta = _decode_head(q, k, g, beta, A_log, a, dt_bias, b, i_n, i_hv, i_h, scale, s_qb, s_qh,
+                                             s_kb, s_kh, HV, K, BK, GATE_RAW, BETA_MODE, L2NORM)
+        for j in tl.range(0, TILES, num_stages=STAGES):
+            b_s, b_v = _decode_load(p_in, v, i_n, i_hv, v0 + j * BV, valid, s_vb, s_vh, K, V, BK, BV, READ_MODE,
+                                    K_LAST)
+            _decode_finish(b_s, b_v, p_out, o, b_q, b_k, b_g, b_beta, i_n, i_hv, v0 + j * BV, valid, ok_out, HV, K, V,
+                           BK, BV, WRITE_MODE, K_LAST, STORE_CACHE)
+
+def _block_v(N: int, HV: int, K: int, V: int) -> tuple:
+    """(BV, num_warps) of the multi-token kernel (H200 sweeps, bench/results/sweep_decode*_h200.json): many small
+    programs for few sequences; 32-column tiles keep the per-token state writes in flight.
+    ``GDN_RECURRENT_BV`` / ``GDN_RECURRENT_WARPS`` override."""
+    BV, warps = (8, 1) if N * HV < 2048 else (32, 4)
+    BV = min(BV, next_pow2(V))
+    while BV > 8 and BV * next_pow2(K) > 128 * 128:
+        BV //= 2
+    return int(os.environ.get("GDN_RECURRENT_BV", BV)), int(os.environ.get("GDN_RECURRENT_WARPS", warps))
+
+
+def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int) -> tuple:
+    """(BV, num_warps, num_stages, tiles per program, maxnreg, store cache modifier) of :func:`decode_kernel`, from
+    H200 sweeps (bench/results/sweep_decode5_h200*.json, K = V = 128).
+    ``GDN_DECODE_CFG="BV:warps:stages:tiles[:maxnreg[:store_cache]]"`` overrides."""
     BK = next_pow2(K)
     nhv = N * HV
     if nhv < 2048:
-        BV, warps, nv_loop, stages = 8, 1, 1, 1
-    elif not single:  # several tokens per program: more, smaller programs keep the per-token state writes in flight
-        BV, warps, nv_loop, stages = 32, 4, 1, 1
+        BV, warps, stages, tiles = 8, 1, 1, 1      # few heads: many one-warp programs
     elif state_bytes >= 4:
-        BV, warps, nv_loop, stages = 128, 8, 1, 1
+        BV, warps, stages, tiles = 8, 2, 1, 1      # fp32 state: 8 columns, straight-line, many CTAs per SM
+    elif nhv < 8192:
+        BV, warps, stages, tiles = 32, 2, 3, 4     # 16-bit state: a head's tiles in a 3-deep pipelined loop
     else:
-        BV, warps, nv_loop, stages = 16, 2, 8, 2
+        BV, warps, stages, tiles = 16, 2, 4, 4     # two programs per head
+    maxnreg, store_cache = 0, ""
+    env = os.environ.get("GDN_DECODE_CFG", "").strip()
+    if env:
+        parts = env.split(":") + [""] * 6
+        BV, warps, stages, tiles = (int(x) for x in parts[:4])
+        maxnreg, store_cache = int(parts[4] or 0), parts[5]
     BV = min(BV, next_pow2(V))
     while BV > 8 and BV * BK > 128 * 128:
         BV //= 2
-    env = os.environ.get
-    BV = int(env("GDN_RECURRENT_BV", BV))
-    warps = int(env("GDN_RECURRENT_WARPS", warps))
-    nv_loop = int(env("GDN_RECURRENT_NV_LOOP", nv_loop))
-    stages = int(env("GDN_RECURRENT_STAGES", stages))
-    return BV, warps, nv_loop, stages
+    nvb = triton.cdiv(V, BV)
+    tiles = max(1, min(tiles, nvb))
+    while nvb % tiles:
+        tiles -= 1
+    return BV, warps, stages, tiles, maxnreg, store_cache
+
+
+def _pointer_args(o, *optional):
+    """(g, beta, A_log, a, dt_bias, b, o, state_in, state_out, idx, num_accepted) as the kernels take them: absent
+    tensors replaced by ``o`` (never read: their constexpr modes are off)."""
+    g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted = (o if x is None else x for x in optional)
+    return g, beta, A_log, a, dt_bias, b, o, state_in, state_out, idx, num_accepted
+
+
+def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted, read_mode,
+            write_mode, l2norm, k_last, N):
+    st = state_in if state_in is not None else state_out
+    H, K = q.shape[2], q.shape[3]
+    HV, V = v.shape[2], v.shape[3]
+    BV, warps, stages, tiles, maxnreg, store_cache = _decode_config(N, HV, K, V,
+                                                                    st.element_size() if st is not None else 4)
+    kw = dict(num_warps=warps, num_stages=stages)
+    if maxnreg:
+        kw["maxnreg"] = maxnreg
+    decode_kernel[(N * HV * (triton.cdiv(V, BV) // tiles),)](
+        q, k, v, *_pointer_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted),
+        float(scale), state_in.shape[0] if state_in is not None else 0,
+        state_out.shape[0] if state_out is not None else 0,
+        idx.shape[1] if idx is not None and idx.dim() == 2 else 1,
+        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
+        idx.stride(0) if idx is not None and idx.dim() == 2 else 1,
+        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, GATE_RAW=g is None,
+        BETA_MODE=1 if beta is not None else (2 if b is not None else 0), L2NORM=bool(l2norm), READ_MODE=read_mode,
+        IDX_2D=idx is not None and idx.dim() == 2, SPEC=num_accepted is not None, WRITE_MODE=write_mode,
+        K_LAST=bool(k_last), TILES=tiles, STAGES=stages, STORE_CACHE=store_cache, **kw)
+    return o
 
 
 def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_bias=None, b=None, scale: float,
                       state_in=None, state_out=None, idx=None, num_accepted=None, cu_seqlens=None,
                       read_mode: int, write_mode: int, l2norm: bool, k_last: bool, seqlen: int, num_seqs: int):
-    """Launch the kernel. All tensors validated by the caller; ``o`` preallocated [B, T, HV, V]."""
+    """Launch :func:`decode_kernel` (one token per sequence, no cu_seqlens) or the multi-token kernel. All tensors
+    validated by the caller; ``o`` preallocated [B, T, HV, V]."""
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     N = num_seqs
     if N == 0 or o.numel() == 0 and write_mode == 0:
         return o
-    st = state_in if state_in is not None else state_out
-    single = cu_seqlens is None and seqlen == 1
-    BV, warps, nv_loop, stages = _block_v(N, HV, K, V, st.element_size() if st is not None else 4, single)
-    nv_loop = max(1, min(nv_loop, triton.cdiv(V, BV)))
+    if cu_seqlens is None and seqlen == 1:
+        return _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted,
+                       read_mode, write_mode, l2norm, k_last, N)
+    BV, warps = _block_v(N, HV, K, V)
     gate_raw = g is None
     beta_mode = 1 if beta is not None else (2 if b is not None else 0)
-    dummy = o
-    grid = (N * HV, triton.cdiv(triton.cdiv(V, BV), nv_loop))
+    grid = (N * HV, triton.cdiv(V, BV))
     recurrent_gdn_fwd_kernel[grid](
-        q, k, v,
-        dummy if g is None else g, dummy if beta is None else beta,
-        dummy if A_log is None else A_log, dummy if a is None else a,
-        dummy if dt_bias is None else dt_bias, dummy if b is None else b,
-        o, dummy if state_in is None else state_in, dummy if state_out is None else state_out,
-        dummy if idx is None else idx, dummy if num_accepted is None else num_accepted,
-        dummy if cu_seqlens is None else cu_seqlens,
+        q, k, v, *_pointer_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted),
+        o if cu_seqlens is None else cu_seqlens,
         float(scale), seqlen,
         state_in.shape[0] if state_in is not None else 0, state_out.shape[0] if state_out is not None else 0,
         idx.shape[1] if idx is not None and idx.dim() == 2 else 1,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), idx.stride(0) if idx is not None and idx.dim() == 2 else 1,
-        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, NV_LOOP=nv_loop,
-        VARLEN=cu_seqlens is not None, SINGLE=single, GATE_RAW=gate_raw, BETA_MODE=beta_mode, L2NORM=bool(l2norm),
+        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV,
+        VARLEN=cu_seqlens is not None, GATE_RAW=gate_raw, BETA_MODE=beta_mode, L2NORM=bool(l2norm),
         READ_MODE=read_mode, IDX_2D=idx is not None and idx.dim() == 2, SPEC=num_accepted is not None,
-        WRITE_MODE=write_mode, K_LAST=bool(k_last), EVICT=os.environ.get("GDN_RECURRENT_EVICT", ""),
-        STORE_CACHE=os.environ.get("GDN_RECURRENT_STORE_CACHE", ""),
-        num_warps=warps, num_stages=stages,
+        WRITE_MODE=write_mode, K_LAST=bool(k_last), num_warps=warps, num_stages=1,
     )
     return o
