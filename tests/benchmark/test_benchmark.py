@@ -165,6 +165,23 @@ def test_recurrent_bytes_count_every_written_state_and_fla_variant_fewer():
     assert gdn - fla == pytest.approx(8 * 3 * 32 * 128 * 128 * 4 + 8 * 4 * 4 + 8 * 4)
 
 
+def test_layer_decode_bytes_are_the_weights_once_plus_the_cached_states_and_the_token():
+    from gdn.layers import GatedDeltaNet, GDNCache
+
+    hidden, N = 32, 3
+    c = C.Case("layer_decode", "tiny", N, 1, state_dtype="fp32", hidden=hidden, **TINY)
+    layer = GatedDeltaNet(hidden, TINY["H"], TINY["HV"], TINY["K"], TINY["V"], dtype=torch.bfloat16)
+    cache = GDNCache.for_layers(layer, num_slots=N)      # the layer's default cache: what the case's state_dtype says
+    assert cache.ssm_states.dtype == cache.conv_states.dtype == torch.float32
+    weights = sum(p.numel() * p.element_size() for p in layer.parameters())
+    states = cache.conv_states[0, :N].nbytes + cache.ssm_states[0, :N].nbytes
+    assert C.cost(c)["bytes"] == weights + 2 * states + 2 * N * hidden * 2
+    full = [x for x in C.full_cases() if x.op == "layer_decode"]
+    assert [(x.batch, x.seqlen, x.H, x.HV, x.hidden, x.state_dtype) for x in full] == [(256, 1, 16, 32, 2048, "fp32")]
+    f = C.floors_ms(full[0], 4270.0, 790.0)
+    assert f["bytes"] == pytest.approx(1193.6e6, rel=1e-4) and f["mem_floor_ms"] > 10 * f["compute_floor_ms"]
+
+
 def test_case_lists():
     quick, full = C.quick_cases(), C.full_cases()
     assert {c.op for c in quick} == set(C.OPS) == {c.op for c in full}
@@ -172,7 +189,8 @@ def test_case_lists():
     assert len({c.key for c in full}) == len(full)
     keys = {(c.op, c.batch, c.seqlen, c.H, c.HV) for c in full}
     for need in [("chunk_fwd", 1, 65536, 2, 8), ("chunk_fwd", 1, 32768, 64, 64), ("chunk_fwd", 4, 4096, 16, 32),
-                 ("decode", 2048, 1, 16, 64), ("decode", 1, 1, 4, 8), ("recurrent", 64, 8, 16, 32)]:
+                 ("decode", 2048, 1, 16, 64), ("decode", 1, 1, 4, 8), ("recurrent", 64, 8, 16, 32),
+                 ("layer_decode", 256, 1, 16, 32)]:
         assert need in keys
     assert {c.state_dtype for c in full if c.op == "decode"} == {"fp32", "bf16"}
     assert C.select(full, ["conv"], "qwen35") == [c for c in full if c.op == "conv" and "qwen35" in c.key]
@@ -362,6 +380,27 @@ def test_chunk_runners(fakes):
 def test_conv_runner(fakes):
     row = runners.run_case(_case("conv", 2, 50), _ctx())
     _check_row(row, ["gdn", "fla"])
+
+
+def test_layer_decode_runner(monkeypatch):
+    """The real block and its cache (Triton interpreter on CPU): two buffer sets (own slots each), checked against the
+    float64 block from the cached states; a step that leaves the conv state stale shows in ``err_detail``."""
+    c = _case("layer_decode", 3, 1, "fp32", hidden=32)
+    ctx = runners.Ctx(torch.device("cpu"), HostTimer(target_s=0.0, min_samples=1, max_samples=1),
+                      int(C.cost(c)["bytes"]), frozenset(("fla", "flashinfer")), check_seqs=2)
+    row = report.finalize_row(runners.run_case(c, ctx), 100.0, 1.0)
+    assert row["gdn_ms"] is not None and math.isfinite(row["gdn_ms"]) and row["gdn_ms"] > 0, row["errors"]
+    assert row["n_sets"] == 2 and row["timing"]["gdn"]["calls_per_sample"] == 2
+    assert set(row["err_detail"]["gdn"]) == {"out", "conv_state", "ssm_state"} and row["gdn_err"] < 2e-2
+    assert row["frac_of_copy_bw"] == pytest.approx(C.cost(c)["bytes"] / 100e9 * 1e3 / row["gdn_ms"])
+    assert row["fla_ms"] is None and "not timed" in row["errors"]["fla"]
+    assert row["flashinfer_ms"] is None and "no GDN layer" in row["errors"]["flashinfer"]
+    assert "16-token prefill" in row["notes"][0] and "fp32 recurrent and conv states" in row["notes"][0]
+    update = gdn.ops.causal_conv1d_update
+    monkeypatch.setattr(gdn.ops, "causal_conv1d_update", lambda x, st, *a, **k: update(x, st.clone(), *a, **k))
+    row = runners.run_case(c, runners.Ctx(torch.device("cpu"), ctx.timer, 1 << 13, frozenset(), check_seqs=2))
+    det = row["err_detail"]["gdn"]
+    assert row["n_sets"] == 1 and det["conv_state"] > 0.1 and det["out"] < 2e-2 and det["ssm_state"] < 2e-2
 
 
 def test_wrong_result_shows_in_the_error_column(fakes, monkeypatch):

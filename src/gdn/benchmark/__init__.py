@@ -1,6 +1,6 @@
 """``gdn bench``: the performance record of gdn's ops side by side with fla and FlashInfer on the current GPU.
 
-    gdn bench [--quick] [--ops decode,recurrent,chunk_fwd,chunk_fwd_bwd,conv,layer] [--out bench/results]
+    gdn bench [--quick] [--ops decode,recurrent,chunk_fwd,chunk_fwd_bwd,conv,layer,layer_decode] [--out DIR]
               [--no-peers] [--device cuda] [--budget-s S] [--resume | --resume-from JSON] [--match TEXT]
               [--tag NAME]
     gdn bench --floors [--copy-gbps 4270 --tflops 790]     # the two floors of every case; no GPU needed
@@ -167,9 +167,10 @@ def _run(args, cases, wanted_peers, dev, device_cls=_Device) -> int:
         "device": name, "copy_GBps": None, "bf16_TFLOPs": None, "torch": tv, "triton": trv, "gdn": gv, **d.info,
         "quick": quick, "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv[1:], "peers": {},
-        "method": ("median per call of CUDA-event samples after an untimed warm-up; decode and recurrent replay a "
-                   "CUDA graph of n_sets x reps calls; the other ops run eagerly; inputs rotate over n_sets buffer "
-                   "sets that together touch at least twice the L2 cache; FLOP counts: gdn.benchmark.cases"),
+        "method": ("median per call of CUDA-event samples after an untimed warm-up; decode, recurrent and "
+                   "layer_decode replay a CUDA graph of n_sets x reps calls; the other ops run eagerly; inputs rotate "
+                   "over n_sets buffer sets that together touch at least twice the L2 cache; FLOP counts: "
+                   "gdn.benchmark.cases"),
     }
     if prev and prev.get("copy_GBps") and prev.get("bf16_TFLOPs"):
         header["copy_GBps"], header["bf16_TFLOPs"] = prev["copy_GBps"], prev["bf16_TFLOPs"]

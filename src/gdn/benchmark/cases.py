@@ -16,14 +16,16 @@ them; K, V the head dims)::
 
 i.e. per token and value head at K = V = 128, C = 64: forward ~183 kFLOP, backward ~492 kFLOP. The recurrent forms
 (decode, multi-token verify) are memory-bound by orders of magnitude (~7 K V FLOP per token and head against a state
-of K V elements read and written), so their FLOPs are reported but the floor is bytes.
+of K V elements read and written), so their FLOPs are reported but the floor is bytes. So is one cached decode step of
+the whole layer (``layer_decode``): every weight read once, each sequence's conv and recurrent state read and written,
+the token in and out; its projections' FLOPs are reported beside.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Dict, List, Optional, Sequence
 
-OPS = ("decode", "recurrent", "chunk_fwd", "chunk_fwd_bwd", "conv", "layer")
+OPS = ("decode", "recurrent", "chunk_fwd", "chunk_fwd_bwd", "conv", "layer", "layer_decode")
 
 #: label -> (H, HV): the model shapes of the issue (K = V = 128), plus the extra chunk shapes.
 MODELS: Dict[str, tuple] = {
@@ -45,14 +47,14 @@ class Case:
     op: str
     model: str
     batch: int          # sequences (decode: batch; recurrent: sequences N; chunk/conv/layer: B)
-    seqlen: int         # tokens per sequence (decode: 1; recurrent: T of the verify step)
+    seqlen: int         # tokens per sequence (decode, layer_decode: 1; recurrent: T of the verify step)
     H: int
     HV: int
     K: int = 128
     V: int = 128
     state_dtype: Optional[str] = None   # "fp32" / "bf16" for ops that carry a state
     dtype: str = "bf16"                 # activations
-    hidden: Optional[int] = None        # layer only
+    hidden: Optional[int] = None        # layer, layer_decode only
 
     @property
     def key(self) -> str:
@@ -145,6 +147,17 @@ def cost(case: Case, variant: str = "gdn") -> Dict[str, Optional[float]]:
         proj = layer_proj_flops_fwd(c.tokens, hidden, c.H, c.HV, c.K, c.V)
         core = c.tokens * c.HV * (chunk_fwd_flops_per_token_head(c.K, c.V) + chunk_bwd_flops_per_token_head(c.K, c.V))
         return {"bytes": None, "flops": 3.0 * proj + core}     # backward of a matmul: twice its forward
+    if c.op == "layer_decode":
+        hidden = c.hidden or HIDDEN.get(c.model, 2048)
+        D = c.conv_dim
+        weights = hidden * (2 * c.H * c.K + 2 * c.HV * c.V + 2 * c.HV)   # in_proj: q, k, v, z, a, b
+        weights += D * CONV_WIDTH + 2 * c.HV + c.V + c.HV * c.V * hidden  # conv; A_log, dt_bias; norm; out_proj
+        # GDNCache keeps the conv state in the state dtype unless told otherwise (conv_dtype defaults to dtype)
+        states = 2 * c.batch * (state + D * (CONV_WIDTH - 1)) * sb       # read + written in place
+        io = 2 * c.tokens * hidden * act                                  # x in, y out
+        flops = (layer_proj_flops_fwd(c.tokens, hidden, c.H, c.HV, c.K, c.V) + 2.0 * c.tokens * D * CONV_WIDTH
+                 + 7.0 * c.tokens * c.HV * c.K * c.V)
+        return {"bytes": float(weights * act + states + io), "flops": flops}
     raise ValueError(f"op: expected one of {OPS}, got {c.op!r}")
 
 
@@ -184,6 +197,11 @@ def _layer(specs) -> List[Case]:
     return [Case("layer", m, B, T, *_hh(m), hidden=HIDDEN[m]) for (m, B, T) in specs]
 
 
+def _layer_decode(specs) -> List[Case]:
+    """One cached decode step (1 token per sequence) with the layer's default cache: fp32 states."""
+    return [Case("layer_decode", m, B, 1, *_hh(m), state_dtype="fp32", hidden=HIDDEN[m]) for (m, B) in specs]
+
+
 def quick_cases() -> List[Case]:
     tp1 = "qwen3next-tp1"
     return (_decode([tp1], [1, 32, 512])
@@ -191,17 +209,20 @@ def quick_cases() -> List[Case]:
             + _chunk("chunk_fwd", [(tp1, 1, 8192)])
             + _chunk("chunk_fwd_bwd", [(tp1, 1, 8192)])
             + _conv([(tp1, 1, 8192)])
-            + _layer([(tp1, 4, 4096)]))
+            + _layer([(tp1, 4, 4096)])
+            + _layer_decode([(tp1, 256)]))
 
 
 def acceptance_cases() -> List[Case]:
-    """The rows the issues' goals are stated for (decode batches, the five prefill shapes, the layer)."""
+    """The rows the issues' goals are stated for (decode batches, the five prefill shapes, the layer, its decode
+    step)."""
     tp1 = "qwen3next-tp1"
     issue_shapes = [(tp1, 1, 8192), (tp1, 1, 32768), (tp1, 4, 4096), ("h2-hv8", 1, 65536), ("h64-hv64", 1, 32768)]
     return (_decode([tp1], [1, 32, 128, 512, 2048])
             + _chunk("chunk_fwd", issue_shapes)
             + _chunk("chunk_fwd_bwd", issue_shapes)
-            + _layer([(tp1, 4, 4096)]))
+            + _layer([(tp1, 4, 4096)])
+            + _layer_decode([(tp1, 256)]))
 
 
 def full_cases() -> List[Case]:
@@ -217,7 +238,8 @@ def full_cases() -> List[Case]:
                                        (tp2, 1, 8192), (tp4, 1, 8192), (q35, 1, 8192), ("h2-hv8", 1, 65536),
                                        ("h64-hv64", 1, 32768)])
             + _conv([(tp1, 1, 8192), (tp1, 4, 4096), (tp1, 1, 32768), (tp4, 1, 8192), (q35, 1, 8192)])
-            + _layer([(tp1, 4, 4096)]))
+            + _layer([(tp1, 4, 4096)])
+            + _layer_decode([(tp1, 256)]))
     # the quick set first, then the issues' acceptance rows, so that a run cut short by its time budget (one device
     # call is 10 minutes; continue with --resume-from) still holds the headline numbers
     out, seen = [], set()

@@ -7,8 +7,8 @@ The JSON record (``bench/results/<gpu-name>.json``)::
 
 One row per measurement; the fields every row has are ``ROW_FIELDS`` (null where absent):
 
-- the case: ``op`` (decode, recurrent, chunk_fwd, chunk_fwd_bwd, conv, layer), ``model``, ``batch``, ``seqlen``,
-  ``H``, ``HV``, ``K``, ``V``, ``state_dtype``, ``dtype``, ``hidden``, ``key``;
+- the case: ``op`` (decode, recurrent, chunk_fwd, chunk_fwd_bwd, conv, layer, layer_decode), ``model``, ``batch``,
+  ``seqlen``, ``H``, ``HV``, ``K``, ``V``, ``state_dtype``, ``dtype``, ``hidden``, ``key``;
 - times: ``gdn_ms``, ``fla_ms``, ``flashinfer_ms`` (median per call), ``speedup_vs_fla`` and
   ``speedup_vs_flashinfer`` (peer time / gdn time: above 1, gdn is faster), ``timing`` (per implementation: graph or
   eager, spread, samples), ``n_sets`` (buffer sets rotated);

@@ -13,6 +13,9 @@ the outputs listed in ``err_detail``), is taken on the inputs being timed:
   full-size output with each peer's (``gdn_vs_<peer>``).
 - layer: gdn's block in bf16 against the same block in float64 on the PyTorch reference path (``GDN_BACKEND=torch``)
   on a short input: output and input gradient.
+- layer_decode: the full-size cached step on buffer set 0, compared on a few sequences at both ends of the batch with
+  ``gdn.layers.gated_deltanet.gated_deltanet_ref`` in float64 from the same cached states: output, and the conv and
+  recurrent states written back to the cache.
 """
 from __future__ import annotations
 
@@ -644,8 +647,66 @@ def run_layer(case: Case, ctx: Ctx) -> dict:
     return measure(row, impls, 1, ctx)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# one cached decode step of the GatedDeltaNet block (after a short prefill), CUDA-graph replay
+# ----------------------------------------------------------------------------------------------------------------------
+LAYER_DECODE_PREFILL = 16   # tokens per sequence prefilled before the timed step, so that the cache holds real states
+
+
+def run_layer_decode(case: Case, ctx: Ctx) -> dict:
+    from gdn.layers import GatedDeltaNet, GDNCache
+    from gdn.layers.gated_deltanet import gated_deltanet_ref
+
+    dev, B, hidden = ctx.device, case.batch, case.hidden or 2048
+    sdt = torch.float32 if case.state_dtype == "fp32" else torch.bfloat16
+    row = new_row(case)
+    row["err_what"] = ("output and the conv / recurrent states written by the timed step vs the block in float64 from "
+                       "the same cached states (gated_deltanet_ref), first/last sequences")
+    n_sets = rotation_sets(cost(case)["bytes"], ctx.l2_bytes)
+    _seed(ctx, 0)
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    layer = GatedDeltaNet(hidden, case.H, case.HV, case.K, case.V, **bf).eval()
+    cache = GDNCache.for_layers(layer, num_slots=n_sets * B, dtype=sdt)   # conv dtype and layout: the defaults
+    sets = []
+    with torch.no_grad():
+        for i in range(n_sets):   # each set its own slots: rotating sets rotates the states (the weights are shared)
+            _seed(ctx, i + 1)
+            batch = cache.batch(cache.allocate(B))
+            layer(torch.randn(B, LAYER_DECODE_PREFILL, hidden, **bf), cache=batch)
+            sets.append(dict(x=torch.randn(B, 1, hidden, **bf), batch=batch))
+    conv_pool, ssm_pool = cache.conv_pool(layer.layer_idx), cache.ssm_pool(layer.layer_idx)
+    idx = _check_rows(B, ctx.check_seqs).to(dev)
+    rows = sets[0]["batch"].slots[idx].long()
+    pristine = conv_pool[rows].clone(), ssm_pool[rows].clone()   # timing advances the states: checks restart here
+
+    def step(i):
+        with torch.no_grad():
+            return layer(sets[i]["x"], cache=sets[i]["batch"])
+
+    def check():
+        conv_pool[rows], ssm_pool[rows] = pristine
+        out = step(0)
+        with torch.no_grad():
+            ro, rc, rs = gated_deltanet_ref(layer, sets[0]["x"][idx], conv_state=pristine[0].double(),
+                                            ssm_state=pristine[1].double(), state_layout=cache.state_layout)
+        return {"out": dev_rel_err(out[idx], ro), "conv_state": dev_rel_err(conv_pool[rows], rc),
+                "ssm_state": dev_rel_err(ssm_pool[rows], rs)}
+
+    note = (f"in_proj, conv update, recurrent step, gated norm, out_proj after a {LAYER_DECODE_PREFILL}-token prefill; "
+            f"cache: {case.state_dtype} recurrent and conv states (GDNCache's conv dtype defaults to its state dtype), "
+            f"{cache.state_layout} layout (its default)")
+    impls = [Impl("gdn", run=step, check=check, graph=True, note=note)]
+    if "fla" in ctx.peers:
+        impls.append(Impl("fla", error="not timed: fla.layers.GatedDeltaNet keeps its decode state in its own Cache "
+                                       "object (a new final-state tensor per step, no slot pool), which a replayed "
+                                       "graph would not advance"))
+    if "flashinfer" in ctx.peers:
+        impls.append(Impl("flashinfer", error="FlashInfer has no GDN layer"))
+    return measure(row, impls, n_sets, ctx)
+
+
 RUNNERS = {"decode": run_decode, "recurrent": run_recurrent, "chunk_fwd": run_chunk, "chunk_fwd_bwd": run_chunk,
-           "conv": run_conv, "layer": run_layer}
+           "conv": run_conv, "layer": run_layer, "layer_decode": run_layer_decode}
 
 
 def run_case(case: Case, ctx: Ctx) -> dict:
