@@ -100,8 +100,11 @@ def test_pool_not_inplace_returns_new_state():
 
 
 @pytest.mark.parametrize("layout", ["v_last", "k_last"])
-def test_speculative_decoding_slots(layout):
-    """Start from the accepted draft's slot; write every token's state into its own slot."""
+@pytest.mark.parametrize("cfg", ["", "8:2:3"])
+def test_speculative_decoding_slots(layout, cfg, monkeypatch):
+    """Start from the accepted draft's slot; write every token's state into its own slot (also with the token loop
+    software-pipelined, ``GDN_RECURRENT_CFG`` = BV:warps:stages)."""
+    monkeypatch.setenv("GDN_RECURRENT_CFG", cfg)
     lens = [3, 1, 4, 2]
     N, H, HV, K, V, P = 4, 2, 4, 16, 16, 20
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=DEV)

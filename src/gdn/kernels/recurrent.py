@@ -99,7 +99,7 @@ def recurrent_gdn_fwd_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr,
     L2NORM: tl.constexpr, READ_MODE: tl.constexpr, IDX_2D: tl.constexpr, SPEC: tl.constexpr,
-    WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr,
+    WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Several tokens per sequence (varlen, speculative verification); single-token decode is :func:`decode_kernel`.
     Program = (sequence, value head) x BV value columns."""
@@ -150,15 +150,14 @@ def recurrent_gdn_fwd_kernel(
             b_s = tl.zeros([BK, BV], dtype=tl.float32)
         else:
             b_s = tl.load(state_in + row_in * (HV * K * V) + head_off + o_s, mask=m_s, other=0.0).to(tl.float32)
-        for t in range(0, seq_len):
+        for t in tl.range(0, seq_len, num_stages=STAGES):  # STAGES > 1: the next tokens' q/k/v load ahead
             b_s = _token_step(b_s, q, k, v, g, beta, a, b, o, t, p_q, p_k, p_v, p_o, p_gate, s_qt, s_kt,
                               s_vt, b_A, b_dtb, scale, m_k, m_v, HV, V, GATE_RAW, BETA_MODE, L2NORM)
             if WRITE_MODE == 3:  # the state after token t goes to pool row idx[n, t]
                 row_t = tl.load(idx + i_n.to(tl.int64) * s_idx + tl.minimum(t, n_cols - 1)).to(tl.int64)
-                row_t = tl.where(t < n_cols, row_t, -1)
-                if (row_t >= 0) & (row_t < P_out):
-                    tl.store(state_out + row_t * (HV * K * V) + head_off + o_s,
-                             b_s.to(state_out.dtype.element_ty), mask=m_s)
+                ok_t = (t < n_cols) & (row_t >= 0) & (row_t < P_out)
+                tl.store(state_out + row_t * (HV * K * V) + head_off + o_s, b_s.to(state_out.dtype.element_ty),
+                         mask=m_s & ok_t)
         if WRITE_MODE == 1:
             tl.store(state_out + i_n.to(tl.int64) * (HV * K * V) + head_off + o_s,
                      b_s.to(state_out.dtype.element_ty), mask=m_s)
@@ -289,14 +288,17 @@ def decode_kernel(
                            BK, BV, WRITE_MODE, K_LAST, STORE_CACHE)
 
 def _block_v(N: int, HV: int, K: int, V: int) -> tuple:
-    """(BV, num_warps) of the multi-token kernel (H200 sweeps, bench/results/sweep_decode*_h200.json): many small
-    programs for few sequences; 32-column tiles keep the per-token state writes in flight.
-    ``GDN_RECURRENT_BV`` / ``GDN_RECURRENT_WARPS`` override."""
-    BV, warps = (8, 1) if N * HV < 2048 else (32, 4)
+    """(BV, num_warps, num_stages of the token loop) of the multi-token kernel (H200 sweeps,
+    bench/results/sweep_recurrent*_h200.json): many small programs for few sequences; 32-column tiles keep the
+    per-token state writes in flight. ``GDN_RECURRENT_CFG="BV:warps:stages"`` overrides."""
+    BV, warps, stages = (8, 1, 1) if N * HV < 2048 else (16, 2, 2)
+    env = os.environ.get("GDN_RECURRENT_CFG", "").strip()
+    if env:
+        BV, warps, stages = (int(x) for x in env.split(":"))
     BV = min(BV, next_pow2(V))
     while BV > 8 and BV * next_pow2(K) > 128 * 128:
         BV //= 2
-    return int(os.environ.get("GDN_RECURRENT_BV", BV)), int(os.environ.get("GDN_RECURRENT_WARPS", warps))
+    return BV, warps, stages
 
 
 def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int) -> tuple:
@@ -373,7 +375,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
     if cu_seqlens is None and seqlen == 1:
         return _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted,
                        read_mode, write_mode, l2norm, k_last, N)
-    BV, warps = _block_v(N, HV, K, V)
+    BV, warps, stages = _block_v(N, HV, K, V)
     gate_raw = g is None
     beta_mode = 1 if beta is not None else (2 if b is not None else 0)
     grid = (N * HV, triton.cdiv(V, BV))
@@ -388,6 +390,6 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV,
         VARLEN=cu_seqlens is not None, GATE_RAW=gate_raw, BETA_MODE=beta_mode, L2NORM=bool(l2norm),
         READ_MODE=read_mode, IDX_2D=idx is not None and idx.dim() == 2, SPEC=num_accepted is not None,
-        WRITE_MODE=write_mode, K_LAST=bool(k_last), num_warps=warps, num_stages=1,
+        WRITE_MODE=write_mode, K_LAST=bool(k_last), STAGES=stages, num_warps=warps, num_stages=stages,
     )
     return o
