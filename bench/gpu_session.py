@@ -25,8 +25,8 @@ itself), or ``bench/sweeps.json`` when present::
     {"bench": ["--ops", "chunk_fwd", "--quick", "--no-peers"],          # default gdn-bench arguments of variants
      "variants": [
         {"name": "bv64", "env": {"GDN_CHUNK_BV": "64"}},                # gdn bench under these env vars
-        {"name": "rec-bv32-w4", "env": {"GDN_RECURRENT_CFG": "32:4:1"},
-         "bench": ["--ops", "decode,recurrent", "--quick"]},
+        {"name": "rec-bv32-w4", "env": {"GDN_RECURRENT_CFG": "32:4:1"},   # multi-token kernel: BV:warps:stages
+         "bench": ["--ops", "recurrent", "--quick"]},
         {"name": "dec", "cmd": ["python3", "bench/sweep_decode.py", "--out", "{out}/sweep_decode.json"],
          "timeout_s": 120}                     # any command, run from the repo root; {out} and $OUT: its own folder
      ]}

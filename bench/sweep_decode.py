@@ -102,7 +102,7 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     print("flashinfer", repr(e)[:300])
             for cfg in [c for c in args.configs.split(",") if c]:
-                # GDN_DECODE_CFG of gdn.kernels.recurrent: BV:warps:stages:tiles[:maxnreg[:store_cache]]
+                # GDN_DECODE_CFG of gdn.kernels.recurrent: BV:warps:stages:tiles[:maxnreg]
                 os.environ["GDN_DECODE_CFG"] = cfg
                 calls = [lambda d=d: gated_delta_rule_decode(d["q"], d["k"], d["v"], d["state"], A_log, d["a"],
                                                              dt_bias, d["b"], use_qk_l2norm=True, output=d["out"])

@@ -299,3 +299,34 @@ def test_decode_program_loop_over_tiles(monkeypatch, cfg):
     assert rel_err(pool[idx[live].long()], rs[live]) < 5e-3
     untouched = [r for r in range(P) if r not in idx[live].tolist()]
     assert torch.equal(pool[untouched], before[untouched])
+
+
+@pytest.mark.parametrize("layout", ["v_last", "k_last"])
+@pytest.mark.parametrize("cfg", ["", "32:2:3:3"])
+def test_decode_non_power_of_two_dims(layout, cfg, monkeypatch):
+    """T = 1 with K = 96, V = 80 (masked rows and columns; with 32-column tiles the last tile runs past V), GVA."""
+    monkeypatch.setenv("GDN_DECODE_CFG", cfg)
+    B, H, HV, K, V = 3, 1, 2, 96, 80
+    x = make_inputs(B, 1, H, HV, K, V, device=DEV)
+    st = _state(B, HV, K, V, layout)
+    ro, rs = _ref(x, initial_state=st.double(), output_final_state=True, state_layout=layout,
+                  use_qk_l2norm_in_kernel=True)
+    o, fin = fused_recurrent_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=st, output_final_state=True,
+                                              state_layout=layout, use_qk_l2norm_in_kernel=True)
+    assert rel_err(o, ro) < 1e-5 and rel_err(fin, rs) < 1e-5
+
+
+@pytest.mark.parametrize("name,value", [("GDN_DECODE_CFG", "-8:1:1:1"), ("GDN_DECODE_CFG", "24:2:1:1"),
+                                        ("GDN_DECODE_CFG", "16:2"), ("GDN_RECURRENT_CFG", "16:2:2:1"),
+                                        ("GDN_RECURRENT_CFG", "0:1:1")])
+def test_bad_tuning_override_raises_before_launch(name, value, monkeypatch):
+    """A malformed tuning override names itself in a ValueError and leaves the state untouched."""
+    monkeypatch.setenv(name, value)
+    T = 1 if name == "GDN_DECODE_CFG" else 3
+    x = make_inputs(2, T, 1, 2, 16, 16, device=DEV)
+    st = _state(2, 2, 16, 16, "k_last")
+    before = st.clone()
+    with pytest.raises(ValueError, match=name):
+        fused_recurrent_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=st, inplace_final_state=True,
+                                         state_layout="k_last")
+    assert torch.equal(st, before)

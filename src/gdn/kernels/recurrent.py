@@ -287,14 +287,30 @@ def decode_kernel(
             _decode_finish(b_s, b_v, p_out, o, b_q, b_k, b_g, b_beta, i_n, i_hv, v0 + j * BV, valid, ok_out, HV, K, V,
                            BK, BV, WRITE_MODE, K_LAST, STORE_CACHE)
 
-def _block_v(N: int, HV: int, K: int, V: int) -> tuple:
-    """(BV, num_warps, num_stages of the token loop) of the multi-token kernel (H200 sweeps,
-    bench/results/sweep_recurrent*_h200.json): many small programs for few sequences; 32-column tiles keep the
-    per-token state writes in flight. ``GDN_RECURRENT_CFG="BV:warps:stages"`` overrides."""
-    BV, warps, stages = (8, 1, 1) if N * HV < 2048 else (16, 2, 2)
-    env = os.environ.get("GDN_RECURRENT_CFG", "").strip()
-    if env:
-        BV, warps, stages = (int(x) for x in env.split(":"))
+def _env_config(name: str, n_fields: int, defaults: tuple) -> tuple:
+    """Integer fields of a tuning override ``name="a:b:..."`` (the first ``n_fields`` required, the rest optional),
+    or ``defaults`` when unset. A bad value raises ValueError naming the variable before anything is launched."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return defaults
+    parts = raw.split(":")
+    try:
+        if not n_fields <= len(parts) <= len(defaults):
+            raise ValueError
+        vals = tuple(int(x) if i < n_fields or x else defaults[i] for i, x in enumerate(parts))
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected {n_fields} to {len(defaults)} integers separated by ':'") from None
+    bv, warps, stages = vals[0], vals[1], vals[2]
+    if bv < 1 or bv & (bv - 1) or warps < 1 or warps & (warps - 1) or stages < 1 or min(vals[:n_fields]) < 1:
+        raise ValueError(f"{name}={raw!r}: BV and warps must be powers of two, stages and tiles at least 1")
+    return vals + defaults[len(vals):]
+
+
+def _recurrent_config(N: int, HV: int, K: int, V: int) -> tuple:
+    """(BV, num_warps, num_stages of the token loop) of the multi-token kernel, from H200 sweeps
+    (bench/results/sweep_recurrent_h200.txt): one-warp 8-column programs for few sequences, else 16-column tiles,
+    2 warps, the token loop pipelined 2 deep. ``GDN_RECURRENT_CFG="BV:warps:stages"`` overrides."""
+    BV, warps, stages = _env_config("GDN_RECURRENT_CFG", 3, (8, 1, 1) if N * HV < 2048 else (16, 2, 2))
     BV = min(BV, next_pow2(V))
     while BV > 8 and BV * next_pow2(K) > 128 * 128:
         BV //= 2
@@ -304,7 +320,8 @@ def _block_v(N: int, HV: int, K: int, V: int) -> tuple:
 def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int) -> tuple:
     """(BV, num_warps, num_stages, tiles per program, maxnreg, store cache modifier) of :func:`decode_kernel`, from
     H200 sweeps (bench/results/sweep_decode5_h200*.json, K = V = 128).
-    ``GDN_DECODE_CFG="BV:warps:stages:tiles[:maxnreg[:store_cache]]"`` overrides."""
+    ``GDN_DECODE_CFG="BV:warps:stages:tiles[:maxnreg]"`` and ``GDN_DECODE_STORE_CACHE`` (a store cache modifier)
+    override."""
     BK = next_pow2(K)
     nhv = N * HV
     if nhv < 2048:
@@ -315,12 +332,8 @@ def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int) -> tuple:
         BV, warps, stages, tiles = 32, 2, 3, 4     # 16-bit state: a head's tiles in a 3-deep pipelined loop
     else:
         BV, warps, stages, tiles = 16, 2, 4, 4     # two programs per head
-    maxnreg, store_cache = 0, ""
-    env = os.environ.get("GDN_DECODE_CFG", "").strip()
-    if env:
-        parts = env.split(":") + [""] * 6
-        BV, warps, stages, tiles = (int(x) for x in parts[:4])
-        maxnreg, store_cache = int(parts[4] or 0), parts[5]
+    store_cache = os.environ.get("GDN_DECODE_STORE_CACHE", "")
+    BV, warps, stages, tiles, maxnreg = _env_config("GDN_DECODE_CFG", 4, (BV, warps, stages, tiles, 0))
     BV = min(BV, next_pow2(V))
     while BV > 8 and BV * BK > 128 * 128:
         BV //= 2
@@ -375,7 +388,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
     if cu_seqlens is None and seqlen == 1:
         return _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted,
                        read_mode, write_mode, l2norm, k_last, N)
-    BV, warps, stages = _block_v(N, HV, K, V)
+    BV, warps, stages = _recurrent_config(N, HV, K, V)
     gate_raw = g is None
     beta_mode = 1 if beta is not None else (2 if b is not None else 0)
     grid = (N * HV, triton.cdiv(V, BV))
