@@ -42,27 +42,46 @@ def _delta_rule(b_s, b_k, b_q, b_v, b_g, b_beta):
 
 
 @triton.jit
+def _step_inputs(p_q, p_k, gate, g, beta, a, b, b_A, b_dtb, scale, m_k, GATE_RAW: tl.constexpr,
+                 BETA_MODE: tl.constexpr, L2NORM: tl.constexpr):
+    """One token's (q * scale, k) [BK] fp32 (L2-normalised with L2NORM) from the pointer vectors p_q / p_k, and its
+    g, beta at element ``gate`` of the [.., HV] gate tensors (g from a and the head's A_log / dt_bias with GATE_RAW)."""
+    b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
+    b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
+    if L2NORM:
+        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
+        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+    if GATE_RAW:
+        b_g = gdn_gate_value(tl.load(a + gate).to(tl.float32), b_A, b_dtb)
+    else:
+        b_g = tl.load(g + gate).to(tl.float32)
+    if BETA_MODE == 0:
+        b_beta = 1.0
+    elif BETA_MODE == 1:
+        b_beta = tl.load(beta + gate).to(tl.float32)
+    else:
+        b_beta = sigmoid(tl.load(b + gate).to(tl.float32))
+    return b_q * scale, b_k, b_g, b_beta
+
+
+@triton.jit
+def _state_offsets(o_k, o_v, K: tl.constexpr, V: tl.constexpr, K_LAST: tl.constexpr):
+    """Offsets [BK, BV] of a state tile (rows k, columns v) within one head's [K, V] (v_last) / [V, K] (k_last)."""
+    if K_LAST:
+        o_s = o_v[None, :] * K + o_k[:, None]
+    else:
+        o_s = o_k[:, None] * V + o_v[None, :]
+    return o_s
+
+
+@triton.jit
 def _token_step(b_s, q, k, v, g, beta, a, b, o, t, p_q, p_k, p_v, p_o, p_gate, s_qt, s_kt, s_vt, b_A, b_dtb, scale,
                 m_k, m_v, HV: tl.constexpr, V: tl.constexpr, GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr,
                 L2NORM: tl.constexpr):
     """One token: decay, delta-rule write, read-out (stored). Returns the new fp32 state tile [BK, BV]."""
-    b_q = tl.load(p_q + t * s_qt, mask=m_k, other=0.0).to(tl.float32)
-    b_k = tl.load(p_k + t * s_kt, mask=m_k, other=0.0).to(tl.float32)
     b_v = tl.load(p_v + t * s_vt, mask=m_v, other=0.0).to(tl.float32)
-    if L2NORM:
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-    b_q = b_q * scale
-    if GATE_RAW:
-        b_g = gdn_gate_value(tl.load(a + p_gate + t * HV).to(tl.float32), b_A, b_dtb)
-    else:
-        b_g = tl.load(g + p_gate + t * HV).to(tl.float32)
-    if BETA_MODE == 0:
-        b_beta = 1.0
-    elif BETA_MODE == 1:
-        b_beta = tl.load(beta + p_gate + t * HV).to(tl.float32)
-    else:
-        b_beta = sigmoid(tl.load(b + p_gate + t * HV).to(tl.float32))
+    b_q, b_k, b_g, b_beta = _step_inputs(p_q + t * s_qt, p_k + t * s_kt, p_gate + t * HV, g, beta, a, b, b_A, b_dtb,
+                                         scale, m_k, GATE_RAW, BETA_MODE, L2NORM)
     b_s, b_o = _delta_rule(b_s, b_k, b_q, b_v, b_g, b_beta)
     tl.store(p_o + t * (HV * V), b_o.to(o.dtype.element_ty), mask=m_v)
     return b_s
@@ -141,10 +160,7 @@ def recurrent_gdn_fwd_kernel(
     p_o = o + (tok0 * HV + i_hv) * V + o_v
     if valid:
         m_s = m_k[:, None] & m_v[None, :]
-        if K_LAST:
-            o_s = o_v[None, :] * K + o_k[:, None]
-        else:
-            o_s = o_k[:, None] * V + o_v[None, :]
+        o_s = _state_offsets(o_k, o_v, K, V, K_LAST)
         p_v = v + row_b * s_vb + bos * s_vt + i_hv * s_vh + o_v
         if READ_MODE == 0:
             b_s = tl.zeros([BK, BV], dtype=tl.float32)
@@ -171,47 +187,16 @@ def recurrent_gdn_fwd_kernel(
 
 
 @triton.jit
-def _decode_head(q, k, g, beta, A_log, a, dt_bias, b, i_n, i_hv, i_h, scale, s_qb, s_qh, s_kb, s_kh,
-                 HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, GATE_RAW: tl.constexpr,
-                 BETA_MODE: tl.constexpr, L2NORM: tl.constexpr):
-    """Per-head inputs of a decode step: (q * scale, k) [BK] fp32 (L2-normalised with L2NORM), g, beta."""
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    b_q = tl.load(q + i_n * s_qb + i_h * s_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
-    b_k = tl.load(k + i_n * s_kb + i_h * s_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
-    if L2NORM:
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
-    gate = i_n * HV + i_hv
-    if GATE_RAW:
-        b_g = gdn_gate_value(tl.load(a + gate).to(tl.float32), tl.load(A_log + i_hv).to(tl.float32),
-                             tl.load(dt_bias + i_hv).to(tl.float32))
-    else:
-        b_g = tl.load(g + gate).to(tl.float32)
-    if BETA_MODE == 0:
-        b_beta = 1.0
-    elif BETA_MODE == 1:
-        b_beta = tl.load(beta + gate).to(tl.float32)
-    else:
-        b_beta = sigmoid(tl.load(b + gate).to(tl.float32))
-    return b_q * scale, b_k, b_g, b_beta
-
-
-@triton.jit
 def _decode_load(p_in, v, i_n, i_hv, v0, valid, s_vb, s_vh, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, READ_MODE: tl.constexpr, K_LAST: tl.constexpr):
     """State tile [BK, BV] fp32 of columns v0 .. v0 + BV - 1 (zeros unless ``valid``), and v of those columns."""
     o_k = tl.arange(0, BK)
     o_v = v0 + tl.arange(0, BV)
     m_s = (o_k < K)[:, None] & (o_v < V)[None, :]
-    if K_LAST:
-        o_s = o_v[None, :] * K + o_k[:, None]
-    else:
-        o_s = o_k[:, None] * V + o_v[None, :]
     if READ_MODE == 0:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
     else:
-        b_s = tl.load(p_in + o_s, mask=m_s & valid, other=0.0).to(tl.float32)
+        b_s = tl.load(p_in + _state_offsets(o_k, o_v, K, V, K_LAST), mask=m_s & valid, other=0.0).to(tl.float32)
     b_v = tl.load(v + i_n * s_vb + i_hv * s_vh + o_v, mask=o_v < V, other=0.0).to(tl.float32)
     return b_s, b_v
 
@@ -227,12 +212,8 @@ def _decode_finish(b_s, b_v, p_out, o, b_q, b_k, b_g, b_beta, i_n, i_hv, v0, val
     b_s, b_o = _delta_rule(b_s, b_k, b_q, b_v, b_g, b_beta)
     tl.store(o + (i_n * HV + i_hv) * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
     if WRITE_MODE != 0:
-        if K_LAST:
-            o_s = o_v[None, :] * K + o_k[:, None]
-        else:
-            o_s = o_k[:, None] * V + o_v[None, :]
-        tl.store(p_out + o_s, b_s.to(p_out.dtype.element_ty), mask=(o_k < K)[:, None] & m_v[None, :] & ok_out,
-                 cache_modifier=STORE_CACHE)
+        tl.store(p_out + _state_offsets(o_k, o_v, K, V, K_LAST), b_s.to(p_out.dtype.element_ty),
+                 mask=(o_k < K)[:, None] & m_v[None, :] & ok_out, cache_modifier=STORE_CACHE)
 
 
 @triton.jit
@@ -272,20 +253,29 @@ def decode_kernel(
     head = i_hv.to(tl.int64) * (K * V)
     p_in = state_in + row_in * (HV * K * V) + head
     p_out = state_out + row_out * (HV * K * V) + head
+    o_k = tl.arange(0, BK)
+    p_q = q + i_n * s_qb + i_h * s_qh + o_k
+    p_k = k + i_n * s_kb + i_h * s_kh + o_k
+    b_A = 0.0
+    b_dtb = 0.0
+    if GATE_RAW:
+        b_A = tl.load(A_log + i_hv).to(tl.float32)
+        b_dtb = tl.load(dt_bias + i_hv).to(tl.float32)
     if TILES == 1:  # the state load is issued first, the per-head inputs are computed while it is in flight
         b_s, b_v = _decode_load(p_in, v, i_n, i_hv, v0, valid, s_vb, s_vh, K, V, BK, BV, READ_MODE, K_LAST)
-        b_q, b_k, b_g, b_beta = _decode_head(q, k, g, beta, A_log, a, dt_bias, b, i_n, i_hv, i_h, scale, s_qb, s_qh,
-                                             s_kb, s_kh, HV, K, BK, GATE_RAW, BETA_MODE, L2NORM)
+        b_q, b_k, b_g, b_beta = _step_inputs(p_q, p_k, i_n * HV + i_hv, g, beta, a, b, b_A, b_dtb, scale, o_k < K,
+                                             GATE_RAW, BETA_MODE, L2NORM)
         _decode_finish(b_s, b_v, p_out, o, b_q, b_k, b_g, b_beta, i_n, i_hv, v0, valid, ok_out, HV, K, V, BK, BV,
                        WRITE_MODE, K_LAST, STORE_CACHE)
     else:
-        b_q, b_k, b_g, b_beta = _decode_head(q, k, g, beta, A_log, a, dt_bias, b, i_n, i_hv, i_h, scale, s_qb, s_qh,
-                                             s_kb, s_kh, HV, K, BK, GATE_RAW, BETA_MODE, L2NORM)
+        b_q, b_k, b_g, b_beta = _step_inputs(p_q, p_k, i_n * HV + i_hv, g, beta, a, b, b_A, b_dtb, scale, o_k < K,
+                                             GATE_RAW, BETA_MODE, L2NORM)
         for j in tl.range(0, TILES, num_stages=STAGES):
             b_s, b_v = _decode_load(p_in, v, i_n, i_hv, v0 + j * BV, valid, s_vb, s_vh, K, V, BK, BV, READ_MODE,
                                     K_LAST)
             _decode_finish(b_s, b_v, p_out, o, b_q, b_k, b_g, b_beta, i_n, i_hv, v0 + j * BV, valid, ok_out, HV, K, V,
                            BK, BV, WRITE_MODE, K_LAST, STORE_CACHE)
+
 
 def _env_config(name: str, n_fields: int, defaults: tuple) -> tuple:
     """Integer fields of a tuning override ``name="a:b:..."`` (the first ``n_fields`` required, the rest optional),
@@ -344,11 +334,18 @@ def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int) -> tuple:
     return BV, warps, stages, tiles, maxnreg, store_cache
 
 
-def _pointer_args(o, *optional):
-    """(g, beta, A_log, a, dt_bias, b, o, state_in, state_out, idx, num_accepted) as the kernels take them: absent
-    tensors replaced by ``o`` (never read: their constexpr modes are off)."""
-    g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted = (o if x is None else x for x in optional)
-    return g, beta, A_log, a, dt_bias, b, o, state_in, state_out, idx, num_accepted
+def _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted):
+    """The arguments both kernels share: the optional pointers in order (absent tensors replaced by ``o``, never read:
+    their constexpr modes are off), (P_in, P_out, n_cols, s_idx) of the pools and slot indices, and the mode
+    constexprs that follow from which tensors are given."""
+    ptrs = tuple(o if x is None else x for x in (g, beta, A_log, a, dt_bias, b))
+    ptrs += (o,) + tuple(o if x is None else x for x in (state_in, state_out, idx, num_accepted))
+    idx_2d = idx is not None and idx.dim() == 2
+    pool = (state_in.shape[0] if state_in is not None else 0, state_out.shape[0] if state_out is not None else 0,
+            idx.shape[1] if idx_2d else 1, idx.stride(0) if idx_2d else 1)
+    modes = dict(GATE_RAW=g is None, BETA_MODE=1 if beta is not None else (2 if b is not None else 0),
+                 IDX_2D=idx_2d, SPEC=num_accepted is not None)
+    return ptrs, pool, modes
 
 
 def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted, read_mode,
@@ -361,17 +358,13 @@ def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_ou
     kw = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
         kw["maxnreg"] = maxnreg
+    ptrs, (P_in, P_out, n_cols, s_idx), modes = _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out,
+                                                             idx, num_accepted)
     decode_kernel[(N * HV * (triton.cdiv(V, BV) // tiles),)](
-        q, k, v, *_pointer_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted),
-        float(scale), state_in.shape[0] if state_in is not None else 0,
-        state_out.shape[0] if state_out is not None else 0,
-        idx.shape[1] if idx is not None and idx.dim() == 2 else 1,
-        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2),
-        idx.stride(0) if idx is not None and idx.dim() == 2 else 1,
-        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, GATE_RAW=g is None,
-        BETA_MODE=1 if beta is not None else (2 if b is not None else 0), L2NORM=bool(l2norm), READ_MODE=read_mode,
-        IDX_2D=idx is not None and idx.dim() == 2, SPEC=num_accepted is not None, WRITE_MODE=write_mode,
-        K_LAST=bool(k_last), TILES=tiles, STAGES=stages, STORE_CACHE=store_cache, **kw)
+        q, k, v, *ptrs, float(scale), P_in, P_out, n_cols,
+        q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), s_idx,
+        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, L2NORM=bool(l2norm), READ_MODE=read_mode, WRITE_MODE=write_mode,
+        K_LAST=bool(k_last), TILES=tiles, STAGES=stages, STORE_CACHE=store_cache, **modes, **kw)
     return o
 
 
@@ -389,20 +382,14 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
         return _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted,
                        read_mode, write_mode, l2norm, k_last, N)
     BV, warps, stages = _recurrent_config(N, HV, K, V)
-    gate_raw = g is None
-    beta_mode = 1 if beta is not None else (2 if b is not None else 0)
-    grid = (N * HV, triton.cdiv(V, BV))
-    recurrent_gdn_fwd_kernel[grid](
-        q, k, v, *_pointer_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted),
-        o if cu_seqlens is None else cu_seqlens,
-        float(scale), seqlen,
-        state_in.shape[0] if state_in is not None else 0, state_out.shape[0] if state_out is not None else 0,
-        idx.shape[1] if idx is not None and idx.dim() == 2 else 1,
+    ptrs, (P_in, P_out, n_cols, s_idx), modes = _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out,
+                                                             idx, num_accepted)
+    recurrent_gdn_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
+        q, k, v, *ptrs, o if cu_seqlens is None else cu_seqlens, float(scale), seqlen, P_in, P_out, n_cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), idx.stride(0) if idx is not None and idx.dim() == 2 else 1,
-        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV,
-        VARLEN=cu_seqlens is not None, GATE_RAW=gate_raw, BETA_MODE=beta_mode, L2NORM=bool(l2norm),
-        READ_MODE=read_mode, IDX_2D=idx is not None and idx.dim() == 2, SPEC=num_accepted is not None,
-        WRITE_MODE=write_mode, K_LAST=bool(k_last), STAGES=stages, num_warps=warps, num_stages=stages,
+        v.stride(0), v.stride(1), v.stride(2), s_idx,
+        H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, VARLEN=cu_seqlens is not None, L2NORM=bool(l2norm),
+        READ_MODE=read_mode, WRITE_MODE=write_mode, K_LAST=bool(k_last), STAGES=stages, **modes,
+        num_warps=warps, num_stages=stages,
     )
     return o
