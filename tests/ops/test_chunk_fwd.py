@@ -162,11 +162,14 @@ def test_empty_batch():
 # ----------------------------------------------------------------------------------------------------------------------
 # state pools
 # ----------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("pool_dtype,layout,segment,fuse", [(torch.float32, "v_last", None, False),
-                                                            (torch.bfloat16, "k_last", None, True),
-                                                            (torch.float32, "k_last", 1, False),
-                                                            (torch.bfloat16, "v_last", 2, True)])
-def test_state_pool(pool_dtype, layout, segment, fuse):
+@pytest.mark.parametrize("pool_dtype,layout,segment,fuse,trans", [(torch.float32, "v_last", None, False, False),
+                                                                  (torch.bfloat16, "k_last", None, True, False),
+                                                                  (torch.float32, "k_last", 1, False, False),
+                                                                  (torch.bfloat16, "v_last", 2, True, False),
+                                                                  (torch.float32, "k_last", 1, False, True),
+                                                                  (torch.bfloat16, "v_last", 2, True, True),
+                                                                  (torch.bfloat16, "k_last", None, False, True)])
+def test_state_pool(pool_dtype, layout, segment, fuse, trans):
     from gdn.kernels import chunk_fwd
 
     lens = [C + 3, 5, 0, 20]
@@ -178,7 +181,7 @@ def test_state_pool(pool_dtype, layout, segment, fuse):
     x = make_inputs(1, T, H, HV, K, V, dtype=in_dtype)
     pool = _state(P, HV, K, V, layout, dtype=pool_dtype)
     before = pool.clone()
-    with chunk_fwd.config_override(segment_chunks=segment or 0, fuse_output=fuse):
+    with chunk_fwd.config_override(segment_chunks=segment or 0, fuse_output=fuse, state_trans=trans):
         o, fin = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
                                         cu_seqlens=cu, use_qk_l2norm_in_kernel=True, state_layout=layout,
                                         ssm_state_indices=idx)
@@ -413,10 +416,14 @@ def test_bad_heads_and_dims():
         chunk_gated_delta_rule(y.q, y.k, y.v, y.g, y.beta)
 
 
-@pytest.mark.parametrize("cfg", [dict(state_mode="wu", segment_chunks=1), dict(state_split_h=True, ainv_dtype="fp32"),
-                                 dict(fuse_output=True), dict(fuse_output=True, state_mode="wu", segment_chunks=2)])
+_VARIANTS = [dict(state_mode="wu", segment_chunks=1), dict(state_split_h=True, ainv_dtype="fp32"),
+             dict(fuse_output=True), dict(fuse_output=True, state_mode="wu", segment_chunks=2)]
+
+
+@pytest.mark.parametrize("cfg", _VARIANTS + [dict(c, state_trans=True) for c in [{}] + _VARIANTS])
 def test_state_pass_variants(cfg):
-    """The alternative state-pass formulations the GPU sweep may pick (w/u round trip, split h, fp32 Ainv)."""
+    """The alternative state-pass formulations the GPU sweep may pick (w/u round trip, split h, fp32 Ainv, fused
+    output, transposed state), each against the float64 reference."""
     from gdn.kernels import chunk_fwd
 
     cu = torch.tensor([0, 2 * C + 3, 2 * C + 40], dtype=torch.int32)
