@@ -375,6 +375,8 @@ def test_chunk_runners(fakes):
     _check_row(row, ["gdn", "fla"])
     assert set(row["err_detail"]["gdn"]) == {"o", "final_state", "dq", "dk", "dv", "dg", "dbeta"}
     assert "no GDN backward" in row["errors"]["flashinfer"]
+    # peak memory is recorded per implementation (CUDA only: None here)
+    assert row["gdn_peak_MB"] is None and row["fla_peak_MB"] is None
 
 
 def test_conv_runner(fakes):

@@ -17,6 +17,8 @@ One row per measurement; the fields every row has are ``ROW_FIELDS`` (null where
   each limit gdn reaches), ``frac_of_limit`` (the larger floor over gdn time), and per peer ``<peer>_frac_of_limit``;
 - correctness: ``gdn_err``, ``fla_err``, ``flashinfer_err`` (largest relative error of the outputs named in
   ``err_detail``, measured as ``err_what`` says), ``gdn_vs_<peer>`` where full-size outputs were compared;
+- memory (chunk_fwd, chunk_fwd_bwd, layer, on CUDA): ``<impl>_peak_MB``, the peak memory one call allocates above
+  what was allocated before it (scratch, saved activations, outputs);
 - ``errors`` (implementation -> reason it has no number, e.g. ``NotImplementedError: ...``), ``notes``, ``skipped``.
 """
 from __future__ import annotations

@@ -153,6 +153,23 @@ def _raw_gate_params(HV, device):
     return A_log, dt_bias
 
 
+PEAK_OPS = ("chunk_fwd", "chunk_fwd_bwd", "layer")   # ops whose rows carry <impl>_peak_MB
+
+
+def peak_extra_mb(run: Callable[[int], object], device) -> Optional[float]:
+    """MB allocated by one call of ``run(0)`` above what was allocated before it (its scratch, saved activations and
+    outputs, which the call frees or drops afterwards): ``torch.cuda.max_memory_allocated`` after a reset. None off
+    CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run(0)
+    torch.cuda.synchronize(device)
+    return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
+
+
 def measure(row: dict, impls: List[Impl], n_sets: int, ctx: Ctx) -> dict:
     """Check then time each implementation; every failure is recorded in the row, none escapes (except a lost
     CUDA context, which ends the run)."""
@@ -179,6 +196,8 @@ def measure(row: dict, impls: List[Impl], n_sets: int, ctx: Ctx) -> dict:
                             raise ContextLost(f"{name} check: {P.short_error(e)}", row)
                 t = ctx.timer.time(impl.run, n_sets, graph=impl.graph)
                 row[f"{name}_ms"] = t.median_ms
+                if row.get("op") in PEAK_OPS:
+                    row[f"{name}_peak_MB"] = peak_extra_mb(impl.run, ctx.device)
                 row["timing"][name] = {"mode": t.mode, "spread": t.spread, "samples": t.samples,
                                        "calls_per_sample": t.calls_per_sample}
                 if impl.output is not None:
