@@ -163,3 +163,22 @@ def test_train_example_loss_decreases(monkeypatch):
         torch.set_num_threads(threads)
     assert len(losses) == 12
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+
+
+def test_packed_projection_equals_grouped_unpacking():
+    """qwen3_next with many tokens reorders the weight rows (Q|K|V|Z, B|A) instead of the outputs: same mixed_qkv, z,
+    b, a as the per-key-head unpacking, and the same weight gradients (GVA 3, K != V)."""
+    layer = make_layer(H=2, HV=6, K=8, V=12, hidden=16)
+    x = torch.randn(2, 9, 16, device=DEV, dtype=torch.float64)
+    layer = layer.double()
+    outs = {}
+    for packed in (True, False):
+        layer.zero_grad()
+        parts = layer._project(x, packed=packed)
+        sum((p * torch.linspace(-1, 1, p.numel(), device=DEV, dtype=p.dtype).view_as(p)).sum()
+            for p in parts).backward()
+        outs[packed] = ([p.detach().clone() for p in parts],
+                        [layer.in_proj_qkvz.weight.grad.clone(), layer.in_proj_ba.weight.grad.clone()])
+    for a, b in zip(outs[True][0] + outs[True][1], outs[False][0] + outs[False][1]):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

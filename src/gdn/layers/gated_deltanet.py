@@ -158,9 +158,11 @@ class GatedDeltaNet(nn.Module):
         """``[conv_dim, W]`` view of the conv weight (what the ops take)."""
         return self.conv1d.weight.squeeze(1)
 
-    def _project(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None):
+    def _project(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None, packed: Optional[bool] = None):
         """``x [B, T, hidden]`` -> ``mixed_qkv [B, T, conv_dim]`` (Q|K|V channels), ``z [B, T, HV, V]``, ``b``, ``a``
-        ``[B, T, HV]``. With ``dtype`` the weights are cast (the reference forward in float64)."""
+        ``[B, T, HV]``. With ``dtype`` the weights are cast (the reference forward in float64). ``packed`` (qwen3_next):
+        reorder the weight rows instead of the outputs; None = when there are at least ``hidden_size`` tokens (then
+        the weight is the smaller tensor to move); the oracle passes False (the plain unpacking)."""
         B, T = x.shape[:2]
         H, HV, K, V = self.local_num_k_heads, self.local_num_v_heads, self.head_k_dim, self.head_v_dim
         r = HV // H
@@ -168,6 +170,18 @@ class GatedDeltaNet(nn.Module):
         def lin(m):
             return m(x) if dtype is None else F.linear(x, m.weight.to(dtype))
 
+        if packed is None:
+            packed = B * T >= self.hidden_size
+        if self.projection == "qwen3_next" and packed:
+            # many tokens: gather the weight rows into Q|K|V|Z (and B|A) order once, so the products come out packed
+            # and split into views (backward: one concatenation), instead of copying the activations into that order
+            pq, pba = self._packed_row_order(x.device)
+            wq, wba = self.in_proj_qkvz.weight, self.in_proj_ba.weight
+            if dtype is not None:
+                wq, wba = wq.to(dtype), wba.to(dtype)
+            mixed, z = torch.split(F.linear(x, wq.index_select(0, pq)), [self.conv_dim, HV * V], dim=-1)
+            b, a = torch.split(F.linear(x, wba.index_select(0, pba)), [HV, HV], dim=-1)
+            return mixed, z.unflatten(-1, (HV, V)), b, a
         if self.projection == "qwen3_next":
             qkvz = lin(self.in_proj_qkvz).view(B, T, H, 2 * K + 2 * r * V)
             q, k, v, z = torch.split(qkvz, [K, K, r * V, r * V], dim=-1)
@@ -178,14 +192,32 @@ class GatedDeltaNet(nn.Module):
         z = lin(self.in_proj_z).view(B, T, HV, V)
         return mixed, z, lin(self.in_proj_b), lin(self.in_proj_a)
 
+    def _packed_row_order(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Row indices that reorder ``in_proj_qkvz`` (grouped per key head h: ``q_h | k_h | v_h | z_h``) into
+        ``Q | K | V | Z`` (each head-major, as the unpacking in :meth:`_project` orders them) and ``in_proj_ba``
+        (``b_h | a_h``) into ``B | A``; cached per device."""
+        cache = self.__dict__.setdefault("_row_order", {})
+        if device not in cache:
+            H, K, V = self.local_num_k_heads, self.head_k_dim, self.head_v_dim
+            r = self.local_num_v_heads // H
+            blk = torch.arange(H)[:, None] * (2 * K + 2 * r * V)
+            parts = [blk + off + torch.arange(n)[None, :] for off, n in
+                     ((0, K), (K, K), (2 * K, r * V), (2 * K + r * V, r * V))]
+            pq = torch.cat([p.reshape(-1) for p in parts])
+            blk = torch.arange(H)[:, None] * (2 * r)
+            pba = torch.cat([(blk + off + torch.arange(r)[None, :]).reshape(-1) for off in (0, r)])
+            cache[device] = (pq.to(device), pba.to(device))
+        return cache[device]
+
     def _split_qkv(self, y: torch.Tensor):
-        """Strided q/k/v views (last dimension contiguous) of the packed conv output ``[B, T, conv_dim]``."""
-        B, T = y.shape[:2]
+        """Strided q/k/v views (last dimension contiguous) of the packed conv output ``[B, T, conv_dim]``
+        (``torch.split``: its backward writes the packed gradient once, where three slices would each make a
+        zero-filled full-size gradient and add them)."""
         kd = self.key_dim
-        q = y[..., :kd].unflatten(-1, (self.local_num_k_heads, self.head_k_dim))
-        k = y[..., kd:2 * kd].unflatten(-1, (self.local_num_k_heads, self.head_k_dim))
-        v = y[..., 2 * kd:].unflatten(-1, (self.local_num_v_heads, self.head_v_dim))
-        return q, k, v
+        q, k, v = torch.split(y, [kd, kd, self.value_dim], dim=-1)
+        return (q.unflatten(-1, (self.local_num_k_heads, self.head_k_dim)),
+                k.unflatten(-1, (self.local_num_k_heads, self.head_k_dim)),
+                v.unflatten(-1, (self.local_num_v_heads, self.head_v_dim)))
 
     def _resolve_cache(self, cache, N: int) -> Optional[GDNCacheBatch]:
         if cache is None:
@@ -344,7 +376,7 @@ def gated_deltanet_ref(layer: GatedDeltaNet, hidden_states: torch.Tensor, cu_seq
     x = hidden_states.to(dtype)
     B, T = x.shape[:2]
     cast = (lambda t: None if t is None else t.to(dtype))  # noqa: E731
-    mixed, z, b, a = layer._project(x, dtype=dtype)
+    mixed, z, b, a = layer._project(x, dtype=dtype, packed=False)
     y, conv_final = ref.causal_conv1d_ref(mixed, cast(layer.conv_weight), cast(layer.conv1d.bias), "silu",
                                           cu_seqlens=cu_seqlens, initial_conv_state=cast(conv_state))
     q, k, v = layer._split_qkv(y)
