@@ -368,22 +368,27 @@ def test_full_bwd_strided_qkv():
 # ----------------------------------------------------------------------------------------------------------------------
 # 4. the public op through autograd (once gdn.ops.chunk_gated_delta_rule is wired to the kernels)
 # ----------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("layout", ["v_last", "k_last"])
-def test_public_op_autograd(layout):
+@pytest.mark.parametrize("layout,save_states", [("v_last", False), ("k_last", False), ("v_last", True)])
+def test_public_op_autograd(monkeypatch, layout, save_states):
+    """Gradients through the public op; with CONFIG["bwd_save_states"] the backward takes the forward's h and
+    v_new instead of recomputing them."""
+    from gdn.kernels import chunk_fwd
     from gdn.ops import chunk_gated_delta_rule
+
+    monkeypatch.setitem(chunk_fwd.CONFIG, "bwd_save_states", save_states)
 
     B, T, H, HV, K, V = 2, 70, 1, 2, 16, 32
     x, h0, do, dht = _inputs(B, T, H, HV, K, V)
     if layout == "k_last":
         h0, dht = h0.transpose(-1, -2).contiguous(), dht.transpose(-1, -2).contiguous()
     leaves = [t.clone().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta, h0)]
-    try:
-        o, ht = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
-                                       use_qk_l2norm_in_kernel=True, state_layout=layout)
-    except NotImplementedError:
-        pytest.skip("chunk_gated_delta_rule not wired yet")
-    if o.grad_fn is None:
-        pytest.skip("chunk_gated_delta_rule is not differentiable yet")
+    o, ht = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                   use_qk_l2norm_in_kernel=True, state_layout=layout)
+    assert o.grad_fn is not None
+    if save_states:  # the saved tensors include the forward's chunk states
+        shapes = [tuple(t.shape) for t in o.grad_fn.saved_tensors if t is not None]
+        NT = B * -(-T // 64)
+        assert shapes.count((B, T, HV, V)) == 2 and (NT, HV, K, V) in shapes   # v and v_new; h per chunk
     torch.autograd.backward([o, ht], [do, dht])
     refs = [t.detach().double().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta, h0)]
     ro, rht = chunk_gated_delta_rule_ref(*refs[:5], initial_state=refs[5], output_final_state=True,

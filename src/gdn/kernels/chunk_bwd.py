@@ -848,7 +848,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
         g_cum, ainv, w, u = F.chunk_fwd_prepare(k, v, g, beta, cu_seqlens, C, l2, store_ainv=True, store_wu=True,
                                                 chunk_index=ci, ainv_dtype=F._dot_dtype(k, v))
     elif w is None or (need_h and u is None):
-        w, u = F.recompute_w_u(k, v, beta, ainv, g_cum, cu_seqlens, C, l2, chunk_index=ci)
+        w, u = F.recompute_w_u(k, v, beta, ainv, g_cum, cu_seqlens, C, l2, chunk_index=ci, store_u=need_h)
     h_dtype = h.dtype if h is not None else (torch.float32 if F.CONFIG["h_dtype"] == "fp32" else w.dtype)
 
     if l2 and (rq is None or rk is None):

@@ -83,6 +83,9 @@ _DEFAULT_CONFIG = {
     "state_split_h": False,
     # storage dtype of Ainv in the forward ("input" = tensor-core dtype, or "fp32")
     "ainv_dtype": "input",
+    # training: keep the forward's per-chunk states h and v_new for the backward instead of recomputing them there
+    # (costs their memory from forward to backward: at 1x32768 16/32 bf16, h 0.54 GB + v_new 0.27 GB; fla recomputes)
+    "bwd_save_states": False,
     # compute o inside the state pass (no h / v_new in memory; no output kernel). Off by default: on an H200 the
     # fused pass is latency-bound (5.5 us per chunk step vs 2.4 us without the output work), and the parallel output
     # kernel costs less than the longer sequential chain on every target shape (bench/results/chunk_sweep_h200.json).
@@ -1039,10 +1042,10 @@ def chunk_scaled_dot_kkt_solve(k: torch.Tensor, g_cum: torch.Tensor, beta: torch
 def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: torch.Tensor, g_cum: torch.Tensor,
                   cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
                   use_qk_l2norm_in_kernel: bool = False, *, out_dtype: Optional[torch.dtype] = None,
-                  chunk_index: Optional[ChunkIndex] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                  chunk_index: Optional[ChunkIndex] = None, store_u: bool = True):
     """w = Ainv @ (beta * exp(g_cum) * k_hat) [B, T, HV, K], u = Ainv @ (beta * v) [B, T, HV, V] from a stored Ainv
     (fp32 [B, T, HV, 64], as returned by :func:`chunk_scaled_dot_kkt_solve`). Output dtype: ``out_dtype`` or the
-    tensor-core dtype of k/v."""
+    tensor-core dtype of k/v. ``store_u=False``: only w (u is returned as None)."""
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
@@ -1051,7 +1054,7 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: to
     dt = _dot_dtype(k, v)
     out_dtype = out_dtype or dt
     w = _empty(B, T, HV, K, device=dev, dtype=out_dtype)
-    u = _empty(B, T, HV, V, device=dev, dtype=out_dtype)
+    u = _empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_u else None
     if ci.NT == 0 or HV == 0:
         return w, u
     ainv = ainv.contiguous()
@@ -1059,10 +1062,10 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: to
     BK = min(int(CONFIG["prepare_BK"]), _pow2(K))
     BV = min(int(CONFIG["prepare_BV"]), _pow2(V))
     _launch(_chunk_prepare_kernel, (ci.NT, HV),
-        k, v, g_cum, beta, g_cum, ainv, w, u, g_cum, ci.chunk_indices, _cu_arg(cu_seqlens, ci.chunk_offsets), T,
-        *_strides3(k), *_strides3(v), *_strides3(g_cum), *_strides3(beta),
+        k, v, g_cum, beta, g_cum, ainv, w, u if store_u else w, g_cum, ci.chunk_indices,
+        _cu_arg(cu_seqlens, ci.chunk_offsets), T, *_strides3(k), *_strides3(v), *_strides3(g_cum), *_strides3(beta),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
-        G_IS_CUM=True, STORE_G=False, STORE_A=False, LOAD_A=True, STORE_W=True, STORE_U=True, STORE_RK=False,
+        G_IS_CUM=True, STORE_G=False, STORE_A=False, LOAD_A=True, STORE_W=True, STORE_U=store_u, STORE_RK=False,
         DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"], SOLVE_PREC="ieee",
         num_warps=int(CONFIG["prepare_warps"]), num_stages=int(CONFIG["prepare_stages"]),
         maxnreg=CONFIG["prepare_maxnreg"],
