@@ -36,9 +36,10 @@ def _rsqrt(v, IS_F64: tl.constexpr):
 @triton.jit
 def gated_rmsnorm_fwd_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr, rstd_ptr,
-    M, N, sx, sz, sy, eps,
+    M, N, sx, sz, szg, ZG, sy, eps,
     BM: tl.constexpr, BN: tl.constexpr, HAS_Z: tl.constexpr, CD: tl.constexpr, IS_F64: tl.constexpr,
 ):
+    """Row m of z sits at (m // ZG) * sz + (m % ZG) * szg (a [M / ZG, ZG, N] view; ZG = 1: plain rows)."""
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BM + tl.arange(0, BM)
     cols = tl.arange(0, BN)
@@ -51,7 +52,8 @@ def gated_rmsnorm_fwd_kernel(
     w = tl.load(w_ptr + cols, mask=mc, other=0.0).to(CD)
     y = x * rstd[:, None] * w[None, :]
     if HAS_Z:
-        z = tl.load(z_ptr + rows[:, None] * sz + cols[None, :], mask=m, other=0.0).to(CD)
+        zrow = (rows // ZG) * sz + (rows % ZG) * szg
+        z = tl.load(z_ptr + zrow[:, None] + cols[None, :], mask=m, other=0.0).to(CD)
         y = y * (z / (1.0 + tl.exp(-z)))
     tl.store(y_ptr + rows[:, None] * sy + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
     tl.store(rstd_ptr + rows, rstd, mask=mr)
@@ -60,10 +62,11 @@ def gated_rmsnorm_fwd_kernel(
 @triton.jit
 def gated_rmsnorm_bwd_kernel(
     x_ptr, z_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dz_ptr, dw_ptr,
-    M, N, sx, sz, sdy, sdx, sdz, ITERS, G,
+    M, N, sx, sz, szg, ZG, sdy, sdx, sdz, ITERS, G,
     BM: tl.constexpr, BN: tl.constexpr, HAS_Z: tl.constexpr, CD: tl.constexpr,
 ):
-    """Program ``pid`` handles the ITERS row blocks pid * ITERS, ...; dw_ptr: [G, N] partial sums."""
+    """Program ``pid`` handles the ITERS row blocks pid * ITERS, ...; dw_ptr: [G, N] partial sums; z rows as in the
+    forward kernel."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
     mc = cols < N
@@ -79,7 +82,8 @@ def gated_rmsnorm_bwd_kernel(
         rstd = tl.load(rstd_ptr + rows, mask=mr, other=0.0).to(CD)
         xhat = x * rstd[:, None]
         if HAS_Z:
-            z = tl.load(z_ptr + rows[:, None] * sz + cols[None, :], mask=m, other=0.0).to(CD)
+            zrow = (rows // ZG) * sz + (rows % ZG) * szg
+            z = tl.load(z_ptr + zrow[:, None] + cols[None, :], mask=m, other=0.0).to(CD)
             sg = 1.0 / (1.0 + tl.exp(-z))
             gz = z * sg
             dz = dy * xhat * w[None, :] * (sg * (1.0 + z * (1.0 - sg)))
@@ -116,8 +120,18 @@ def _is_f64(t) -> bool:
     return t.dtype == torch.float64
 
 
+def _z_strides(z2):
+    """(row stride, group stride, rows per group) of z as [M, N] or as a [M / G, G, N] view."""
+    if z2 is None:
+        return 0, 0, 1
+    if z2.dim() == 3:
+        return z2.stride(0), z2.stride(1), max(1, z2.shape[1])
+    return z2.stride(0), 0, 1
+
+
 def rmsnorm_fwd(x2, z2, weight, eps: float):
-    """x2, z2: [M, N] with contiguous last dim (z2 may be None); returns (y [M, N] in x's dtype, rstd [M])."""
+    """x2: [M, N], z2: [M, N] or a [M / G, G, N] view (e.g. z's heads inside a packed projection), last dims
+    contiguous (z2 may be None); returns (y [M, N] in x's dtype, rstd [M])."""
     import torch
 
     M, N = x2.shape
@@ -131,7 +145,7 @@ def rmsnorm_fwd(x2, z2, weight, eps: float):
     grid = (triton.cdiv(M, BM),)
     gated_rmsnorm_fwd_kernel[grid](
         x2, z2 if z2 is not None else x2, weight, y, rstd,
-        M, N, x2.stride(0), z2.stride(0) if z2 is not None else 0, y.stride(0), float(eps),
+        M, N, x2.stride(0), *_z_strides(z2), y.stride(0), float(eps),
         BM=BM, BN=BN, HAS_Z=z2 is not None, CD=tl.float64 if f64 else tl.float32, IS_F64=f64,
         num_warps=num_warps,
     )
@@ -139,7 +153,8 @@ def rmsnorm_fwd(x2, z2, weight, eps: float):
 
 
 def rmsnorm_bwd(x2, z2, weight, dy2, rstd):
-    """Returns (dx [M, N] in x's dtype, dz [M, N] in z's dtype or None, dweight [N] in weight's dtype)."""
+    """z2 as in :func:`rmsnorm_fwd`. Returns (dx [M, N] in x's dtype, dz [M, N] in z's dtype or None, dweight [N] in
+    weight's dtype)."""
     import torch
 
     M, N = x2.shape
@@ -157,7 +172,7 @@ def rmsnorm_bwd(x2, z2, weight, dy2, rstd):
     dw_part = torch.empty((G, N), dtype=acc_dt, device=x2.device)
     gated_rmsnorm_bwd_kernel[(G,)](
         x2, z2 if z2 is not None else x2, weight, dy2, rstd, dx, dz if dz is not None else dx, dw_part,
-        M, N, x2.stride(0), z2.stride(0) if z2 is not None else 0, dy2.stride(0), dx.stride(0),
+        M, N, x2.stride(0), *_z_strides(z2), dy2.stride(0), dx.stride(0),
         dz.stride(0) if dz is not None else 0, iters, G,
         BM=BM, BN=BN, HAS_Z=z2 is not None, CD=tl.float64 if f64 else tl.float32, num_warps=num_warps,
     )

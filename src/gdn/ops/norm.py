@@ -24,6 +24,22 @@ def _rows(name: str, t: torch.Tensor, N: int) -> torch.Tensor:
     return t2
 
 
+def _z_rows(z: torch.Tensor, N: int) -> torch.Tensor:
+    """z as ``[M, N]`` rows, or, when that would copy, as a ``[M / G, G, N]`` view over its last two dims (z's heads
+    as strided views into a packed projection output are read in place)."""
+    if z.dim() >= 3 and N > 1 and z.stride(-1) == 1:
+        try:
+            z2 = z.view(-1, N)
+        except RuntimeError:
+            try:
+                return z.view(-1, z.shape[-2], N)
+            except RuntimeError:
+                pass
+        else:
+            return z2
+    return _rows("z", z, N)
+
+
 class _GatedRMSNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, z, weight, eps):
@@ -31,7 +47,7 @@ class _GatedRMSNormFn(torch.autograd.Function):
 
         N = x.shape[-1]
         x2 = _rows("x", x, N)
-        z2 = _rows("z", z, N) if z is not None else None
+        z2 = _z_rows(z, N) if z is not None else None
         y, rstd = rmsnorm_fwd(x2, z2, weight, eps)
         ctx.save_for_backward(x2, z2, weight, rstd)
         ctx.shape = x.shape
