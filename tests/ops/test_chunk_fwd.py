@@ -437,6 +437,35 @@ def test_state_pass_variants(cfg):
     _check(o, ht, ro, rht, torch.bfloat16)
 
 
+@pytest.mark.parametrize("heads,BK,BV", [(2, 16, 32), (0, 64, 64), (3, 16, 64)])
+def test_output_kernel_value_heads_per_program(heads, BK, BV):
+    """The output kernel with several value heads per program (shared q k^T): GVA 4, K split into BK tiles (the
+    first one kept across the heads), V tiles, a pool with a padding sequence (zeros for all its heads)."""
+    from gdn.kernels import chunk_fwd
+
+    lens = [C + 9, 0, 30, 5]
+    idx = torch.tensor([2, 0, -1, 1], dtype=torch.int32)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    T = int(cu[-1])
+    H, HV, K, V = 1, 4, 48, 40
+    x = make_inputs(1, T, H, HV, K, V)
+    pool = _state(3, HV, K, V, "v_last")
+    before = pool.clone()
+    with chunk_fwd.config_override(output_heads=heads, output_BK=BK, output_BV=BV, debug_poison=True):
+        assert chunk_fwd._output_heads(H, HV) == {2: 2, 0: 4, 3: 2}[heads]
+        o, _ = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
+                                      cu_seqlens=cu, use_qk_l2norm_in_kernel=True, ssm_state_indices=idx)
+    h0 = torch.stack([before[i] if i >= 0 else torch.zeros_like(before[0]) for i in idx.tolist()])
+    ro, rht = _refs(x, h0=h0, cu=cu, l2=True)
+    s, e = int(cu[2]), int(cu[3])
+    assert torch.equal(o[0, s:e], torch.zeros_like(o[0, s:e]))
+    ro[0, s:e] = 0
+    assert rel_err(o, ro) <= TOL[torch.float32]
+    for n, i in enumerate(idx.tolist()):
+        if i >= 0:
+            assert rel_err(pool[i], rht[n]) <= 2e-3
+
+
 def test_solve_correlated_keys_and_rnorm():
     """The blocked inverse (16x16 substitution + (I - M)(I + M^2) Dinv merge) against float64 on nearly identical
     keys with beta ~ 1 and no decay: entries of the block powers grow, the inverse must still be right. Also the

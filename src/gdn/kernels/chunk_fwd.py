@@ -73,6 +73,8 @@ _DEFAULT_CONFIG = {
     "state_trans": False,
     # output kernel
     "output_BK": 128, "output_BV": 64, "output_warps": 4, "output_stages": 1, "output_maxnreg": 0,
+    # value heads per output program (they share q, k and q k^T; 0 = all HV / H of a q/k head)
+    "output_heads": 1,
     # merge kernel of the segmented state pass
     "merge_BK": 64, "merge_BV": 64, "merge_warps": 4, "merge_precision": "tf32x3",
     # storage dtype of the per-chunk states h in the forward: "input" (bf16 for bf16 inputs) or "fp32"
@@ -851,18 +853,20 @@ def _chunk_output_kernel(
     q, k, vnew, h, gcum, rq_in, rk_in, o, chunk_indices, chunk_offsets, cu_seqlens, seq_idx, T, P0, scale,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HPP: tl.constexpr,
     USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_IDX: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """o[chunk, V tile] = scale * (diag(exp(g) r_q) (q @ h) + ((q k^T) * r_q r_k^T * Gamma, causal) @ v_new), with
     the K dimension in BK tiles; the L2 row scalings r_q, r_k come from ``rq_in`` / ``rk_in`` [B, T, H] fp32 and are
-    applied after the products."""
+    applied after the products. One program handles HPP consecutive value heads (HPP divides HV / H, so they share
+    one q/k head): q k^T is computed once for them."""
     i_v = tl.program_id(0)
     i_t = tl.program_id(1)
-    i_hv = tl.program_id(2)
+    i_g = tl.program_id(2)
     n = tl.load(chunk_indices + 2 * i_t)
     c = tl.load(chunk_indices + 2 * i_t + 1)
     i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
-    i_h = i_hv // (HV // H)
+    i_h = (i_g * HPP) // (HV // H)
     tok0 = i_b * T
     t0 = bos + c.to(tl.int64) * 64
     to = tl.arange(0, 64)
@@ -870,44 +874,60 @@ def _chunk_output_kernel(
     m = rows < eos
     ov = i_v * BV + tl.arange(0, BV)
     mv = ov < V
+    m_o = m[:, None] & mv[None, :]
     valid = n >= 0
     if HAS_IDX:
         idx = tl.load(seq_idx + n)
         valid = (idx >= 0) & (idx < P0)
-    op = o + i_b * s_ob + i_hv * s_oh + rows[:, None] * s_ot + ov[None, :]
+    o_base = o + i_b * s_ob + rows[:, None] * s_ot + ov[None, :]
     if valid:
         q_base = q + i_b * s_qb + i_h * s_qh + rows[:, None] * s_qt
         k_base = k + i_b * s_kb + i_h * s_kh + rows[:, None] * s_kt
-        h_base = h + ((tl.load(chunk_offsets + n).to(tl.int64) + c) * HV + i_hv) * (K * V) + ov[None, :]
-        acc = tl.zeros([64, BV], tl.float32)
-        qk = tl.zeros([64, 64], tl.float32)
-        for i_k in range(0, tl.cdiv(K, BK)):
+        h_chunk = (tl.load(chunk_offsets + n).to(tl.int64) + c) * HV
+        # first K tile of q kept for every value head of the program (the only one when BK >= K)
+        ok0 = tl.arange(0, BK)
+        m_q0 = m[:, None] & (ok0 < K)[None, :]
+        q0 = _rn(tl.load(q_base + ok0[None, :], mask=m_q0, other=0.0), DT)
+        qk = _dot(q0, tl.trans(_rn(tl.load(k_base + ok0[None, :], mask=m_q0, other=0.0), DT)), PREC)
+        for i_k in range(1, tl.cdiv(K, BK)):
             ok = i_k * BK + tl.arange(0, BK)
             mk = ok < K
             b_q = _rn(tl.load(q_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
             b_k = _rn(tl.load(k_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
-            b_h = _rn(tl.load(h_base + ok[:, None] * V, mask=mk[:, None] & mv[None, :], other=0.0), DT)
-            acc += _dot(b_q, b_h, PREC)
             qk += _dot(b_q, tl.trans(b_k), PREC)
-        trow = (tok0 + rows) * HV + i_hv
-        b_g = tl.load(gcum + trow, mask=m, other=0.0)
         if USE_L2:
             rq = tl.load(rq_in + (tok0 + rows) * H + i_h, mask=m, other=0.0) * scale
             rk = tl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
         else:
             rq = tl.full([64], 1.0, tl.float32) * scale
             rk = tl.full([64], 1.0, tl.float32)
-        # inter-chunk part: (scale * exp(g) * q_hat) @ h
-        acc = acc * (rq * tl.exp(b_g))[:, None]
-        # intra-chunk part: ((q_hat k_hat^T) * Gamma, causal) @ v_new
+        qk = qk * rq[:, None] * rk[None, :]
         causal = (to[:, None] >= to[None, :]) & m[:, None]
-        d = tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)
-        att = tl.where(causal, qk * tl.exp(d) * rq[:, None] * rk[None, :], 0.0)
-        b_vn = _rn(tl.load(vnew + trow[:, None] * V + ov[None, :], mask=m[:, None] & mv[None, :], other=0.0), DT)
-        acc += _dot(_rn(att, DT), b_vn, PREC)
-        tl.store(op, _rn(acc, o.dtype.element_ty), mask=m[:, None] & mv[None, :])
+        for j in tl.static_range(HPP):
+            i_hv = i_g * HPP + j
+            h_base = h + (h_chunk + i_hv) * (K * V) + ov[None, :]
+            acc = _dot(q0, _rn(tl.load(h_base + ok0[:, None] * V, mask=(ok0 < K)[:, None] & mv[None, :], other=0.0),
+                               DT), PREC)
+            for i_k in range(1, tl.cdiv(K, BK)):
+                ok = i_k * BK + tl.arange(0, BK)
+                mk = ok < K
+                b_q = _rn(tl.load(q_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
+                b_h = _rn(tl.load(h_base + ok[:, None] * V, mask=mk[:, None] & mv[None, :], other=0.0), DT)
+                acc += _dot(b_q, b_h, PREC)
+            trow = (tok0 + rows) * HV + i_hv
+            b_g = tl.load(gcum + trow, mask=m, other=0.0)
+            # inter-chunk part: (scale * exp(g) * q_hat) @ h
+            acc = acc * (rq * tl.exp(b_g))[:, None]
+            # intra-chunk part: ((q_hat k_hat^T) * Gamma, causal) @ v_new
+            d = tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)
+            att = tl.where(causal, qk * tl.exp(d), 0.0)
+            b_vn = _rn(tl.load(vnew + trow[:, None] * V + ov[None, :], mask=m_o, other=0.0), DT)
+            acc += _dot(_rn(att, DT), b_vn, PREC)
+            tl.store(o_base + i_hv * s_oh, _rn(acc, o.dtype.element_ty), mask=m_o)
     else:
-        tl.store(op, _rn(tl.zeros([64, BV], tl.float32), o.dtype.element_ty), mask=m[:, None] & mv[None, :])
+        for j in tl.static_range(HPP):
+            tl.store(o_base + (i_g * HPP + j) * s_oh, _rn(tl.zeros([64, BV], tl.float32), o.dtype.element_ty),
+                     mask=m_o)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1237,6 +1257,14 @@ def chunk_state_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
     return o, ht
 
 
+def _output_heads(H: int, HV: int) -> int:
+    """Value heads per output program (CONFIG["output_heads"]: 1, or 0 = every value head of a q/k head; else the
+    largest divisor of HV / H not above it)."""
+    r = HV // H
+    want = int(CONFIG["output_heads"]) or r
+    return max(d for d in range(1, r + 1) if r % d == 0 and d <= want)
+
+
 def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, g_cum: torch.Tensor,
                  scale: float, cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
                  use_qk_l2norm_in_kernel: bool = False, *, out_dtype: Optional[torch.dtype] = None,
@@ -1265,12 +1293,14 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
         rk = l2_rnorm(k) if rk is None else rk
     else:
         rq = rk = g_cum
-    _launch(_chunk_output_kernel, (triton.cdiv(V, BV), ci.NT, HV),
+    hpp = _output_heads(H, HV)
+    _launch(_chunk_output_kernel, (triton.cdiv(V, BV), ci.NT, HV // hpp),
         q, k, v_new, h, g_cum, rq, rk, o, ci.chunk_indices, ci.chunk_offsets, _cu_arg(cu_seqlens, ci.chunk_offsets),
         state_indices if state_indices is not None else ci.chunk_offsets, T, pool_size, float(scale),
         *_strides3(q), *_strides3(k), *_strides3(o),
-        H=H, HV=HV, K=K, V=V, BK=min(int(CONFIG["output_BK"]), _pow2(K)), BV=BV,
-        USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen, HAS_IDX=state_indices is not None, DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"],
+        H=H, HV=HV, K=K, V=V, BK=min(int(CONFIG["output_BK"]), _pow2(K)), BV=BV, HPP=hpp,
+        USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen, HAS_IDX=state_indices is not None,
+        DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"],
         num_warps=int(CONFIG["output_warps"]), num_stages=int(CONFIG["output_stages"]),
         maxnreg=CONFIG["output_maxnreg"],
     )
