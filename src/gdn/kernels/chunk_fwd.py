@@ -733,10 +733,13 @@ def _chunk_state_kernel(
                 else:
                     rq = tl.full([64], 1.0, tl.float32) * scale
                 b_o = _dot(h_dt, tl.trans(b_q), PREC) * (rq * tl.exp(b_g))[None, :]
-                qk = _dot(b_q, tl.trans(b_k), PREC)
-                att = tl.where(causal, qk * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)) *
-                               rq[:, None] * rk[None, :], 0.0)
-                b_o += _dot(_rn(b_v, DT), tl.trans(_rn(att, DT)), PREC)
+                # att^T [key j, query i] as its own product of loaded tiles (no transpose of a computed tensor:
+                # the Hopper miscompile pattern of fla #640)
+                kq = _dot(b_k, tl.trans(b_q), PREC)
+                causal_t = to[None, :] >= to[:, None]
+                att_t = tl.where(causal_t, kq * tl.exp(tl.where(causal_t, b_g[None, :] - b_g[:, None], 0.0)) *
+                                 rk[:, None] * rq[None, :], 0.0)
+                b_o += _dot(_rn(b_v, DT), _rn(att_t, DT), PREC)
                 if O_INDEXED:
                     b_o = tl.where(o_ok, b_o, 0.0)
                 tl.store(o + i_b * s_ob + i_hv * s_oh + rows[None, :] * s_ot + ov[:, None],
