@@ -6,7 +6,7 @@
                dict(H=16, K=128, ...), num_warps=4, num_stages=2)
 
 Runtime arguments are given by example value (tensor -> pointer of its dtype, int -> i32, float -> fp32,
-None -> constexpr None); every pointer and int argument gets the ``tt.divisibility 16`` attribute the JIT gives
+None -> constexpr None, a string -> that signature type, e.g. ``"tensordesc<bf16[128,64]>"``); every pointer and int argument gets the ``tt.divisibility 16`` attribute the JIT gives
 arguments divisible by 16 (without it loads do not vectorise and spills look far worse than on the GPU).
 Unset TRITON_INTERPRET before importing triton. Method: bench/chunk_notes.md, last section.
 """
@@ -37,6 +37,8 @@ def aot_compile(kernel, args: dict, constexprs: dict, num_warps=4, num_stages=2,
         if val is None:
             sig[n] = "constexpr"
             consts[(i,)] = None
+        elif isinstance(val, str):   # an explicit signature type, e.g. "tensordesc<bf16[128,64]>" (TMA descriptor)
+            sig[n] = val
         elif isinstance(val, torch.Tensor):
             sig[n] = "*" + _TY[val.dtype]
             attrs[(i,)] = [["tt.divisibility", 16]]

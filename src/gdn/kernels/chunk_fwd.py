@@ -71,6 +71,8 @@ _DEFAULT_CONFIG = {
     # core instruction and only loaded tiles (k, Ainv, w) go through shared memory; False keeps h [K, V-tile] (the
     # chained operand is the B operand: a shared-memory round trip and barrier per product)
     "state_trans": False,
+    # state pass: store the per-chunk h through a TMA descriptor (see _chunk_state_kernel's H_TMA)
+    "state_h_tma": False,
     # output kernel
     "output_BK": 128, "output_BV": 64, "output_warps": 4, "output_stages": 1, "output_maxnreg": 0,
     # value heads per output program (they share q, k and q k^T; 0 = all HV / H of a q/k head)
@@ -607,8 +609,8 @@ def _state_tile(ok, ov, mk, mv, sk, sv, TRANS: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "P0", "P1"])
 def _chunk_state_kernel(
-    k, v, beta, ainv, w, u, gcum, rk_in, h_out, vnew, h0, ht, h0_idx, ht_idx, segments, chunk_offsets, cu_seqlens,
-    q, rq_in, o, o_idx, T, P0, P1, NV, PO, scale,
+    k, v, beta, ainv, w, u, gcum, rk_in, h_out, h_desc, vnew, h0, ht, h0_idx, ht_idx, segments, chunk_offsets,
+    cu_seqlens, q, rq_in, o, o_idx, T, P0, P1, NV, PO, scale,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
     s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, s_qb, s_qt, s_qh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
@@ -617,7 +619,7 @@ def _chunk_state_kernel(
     HAS_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VNEW: tl.constexpr,
     STORE_FINAL: tl.constexpr, HT_BY_SEG: tl.constexpr, HT_INDEXED: tl.constexpr,
     FUSE_OUT: tl.constexpr, O_INDEXED: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr, TRANS: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr, TRANS: tl.constexpr, H_TMA: tl.constexpr,
 ):
     """State h [K, V-tile] of one (segment, value head), fp32 in registers, over the segment's chunks.
 
@@ -633,6 +635,9 @@ def _chunk_state_kernel(
     3 = both passes of a segmented run in one launch: programs i_v < NV run the local pass from zero (final -> ht,
     row = segment), programs i_v >= NV the transition matrix from the identity without v (final -> h0, row =
     segment, with h0's strides).
+    H_TMA: the per-chunk h goes out through ``h_desc`` (a TMA descriptor over h_out as [NT * HV * K, V], block
+    [K, BV]; needs K == KP): one shared-memory round and a bulk copy instead of a register layout conversion
+    (~8 rounds of shared-memory stores, loads and barriers on sm_90) ahead of every chunk's products.
     FUSE_OUT: also write the output o of every chunk (as the output kernel does) from the state in registers, so
     that neither h nor v_new goes through memory (O_INDEXED: zeros for sequences whose o_idx row is invalid);
     r_q is read from ``rq_in`` [B, T, H].
@@ -693,7 +698,14 @@ def _chunk_state_kernel(
         m = rows < eos
         trow = (tok0 + rows) * HV + i_hv
         if STORE_H:
-            tl.store(h_out + ((choff + c) * HV + i_hv) * (K * V) + offh, _rn(h, h_out.dtype.element_ty), mask=m_kv)
+            if H_TMA:
+                hd = _rn(h, h_out.dtype.element_ty)
+                if TRANS:
+                    hd = tl.trans(hd)
+                h_desc.store([(((choff + c) * HV + i_hv) * K).to(tl.int32), i_v * BV], hd)
+            else:
+                tl.store(h_out + ((choff + c) * HV + i_hv) * (K * V) + offh, _rn(h, h_out.dtype.element_ty),
+                         mask=m_kv)
         b_g = tl.load(gcum + trow, mask=m, other=0.0)
         last = tl.minimum(t0 + 64, eos) - 1
         g_last = tl.load(gcum + (tok0 + last) * HV + i_hv)
@@ -1096,6 +1108,20 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: to
     return w, u
 
 
+def _h_descriptor(h_out: Optional[torch.Tensor], K: int, KP: int, bv: int):
+    """TMA descriptor for the per-chunk states h [NT, HV, K, V] seen as [NT * HV * K, V] with block [K, bv], when
+    CONFIG["state_h_tma"] asks for it and the shape allows it (K a power of two, rows of 16-byte multiples); else
+    None (plain stores)."""
+    if h_out is None or not CONFIG["state_h_tma"] or K != KP or K > 256 or h_out.numel() == 0:
+        return None
+    V = h_out.shape[-1]
+    if (V * h_out.element_size()) % 16 or not h_out.is_contiguous() or h_out.shape[0] * h_out.shape[1] * K >= 2 ** 31:
+        return None
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(h_out.view(-1, V), [K, bv])
+
+
 def _state_strides(x: Optional[torch.Tensor], layout: str):
     if x is None:
         return (0, 0, 0, 0)
@@ -1184,8 +1210,9 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, fuse=False, **flags):
         fq, fo = (fz["q"], fz["o"]) if fuse else (k, dummy)
         fidx = fz.get("o_idx") if fuse else None
+        h_desc = _h_descriptor(h_out, K, KP, bv)
         _launch(_chunk_state_kernel, (triton.cdiv(Vd, bv) + n_extra, HV, S),
-                k, vv, bb, aa, ww, uu, g_cum, rk_arg, h_out if h_out is not None else dummy,
+                k, vv, bb, aa, ww, uu, g_cum, rk_arg, h_out if h_out is not None else dummy, h_desc,
                 vn_out if vn_out is not None else dummy, h0 if h0 is not None else dummy,
                 ht_ if ht_ is not None else dummy, h0_idx if h0_idx is not None else ci.chunk_offsets,
                 ht_idx if ht_idx is not None else ci.chunk_offsets, plan.segments, ci.chunk_offsets, cu,
@@ -1194,7 +1221,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 *_strides3(k), *sv, *sb, *s0, *s1, *_strides3(fq), *(_strides3(fo) if fuse else (0, 0, 0)),
                 H=H, HV=HV, K=K, V=Vd, KP=KP, BV=bv, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
                 FROM_AINV=from_ainv, DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"], SPLIT_H=split_h,
-                TRANS=bool(CONFIG["state_trans"]),
+                TRANS=bool(CONFIG["state_trans"]), H_TMA=h_desc is not None,
                 STORE_H=h_out is not None, STORE_VNEW=vn_out is not None, STORE_FINAL=ht_ is not None,
                 FUSE_OUT=fuse, O_INDEXED=fidx is not None,
                 num_warps=int(CONFIG["state_warps"]), num_stages=int(CONFIG["state_stages"]),
