@@ -59,15 +59,51 @@ def aot_compile(kernel, args: dict, constexprs: dict, num_warps=4, num_stages=2,
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def resource_usage(compiled) -> dict:
+def _cuobjdump(compiled, flag: str) -> str:
     import triton.backends.nvidia as nv
 
     tool = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(compiled.asm["cubin"])
         path = f.name
-    out = subprocess.run([tool, "--dump-resource-usage", path], capture_output=True, text=True).stdout
+    out = subprocess.run([tool, flag, path], capture_output=True, text=True).stdout
     os.unlink(path)
+    return out
+
+
+SEQ_OPS = ("HGMMA", "WARPGROUP.DEPBAR", "BAR.SYNC", "STSM", "STG", "UTMA", "DEPBAR.LE", "LDGSTS", "LDG", "BRA")
+
+
+def sass_sequence(compiled, ops=SEQ_OPS, loop_only: bool = False) -> str:
+    """The kernel's SASS reduced to the listed instruction kinds in program order, runs compressed
+    (``HGMMAx8 WARPGROUP.DEPBARx1 BAR.SYNCx15 ...``): shows what sits between a loop's tensor-core products
+    (barriers of layout conversions, global stores, waits for asynchronous copies). ``loop_only``: just the body of
+    the longest backward branch (the main loop)."""
+    rows = []
+    for line in _cuobjdump(compiled, "-sass").splitlines():
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)([^;]*)", line)
+        if m:
+            rows.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    if loop_only:
+        loops = [(int(t.group(1), 16), a) for a, op, rest in rows if op == "BRA"
+                 for t in [re.search(r"0x([0-9a-f]+)", rest)] if t and int(t.group(1), 16) < a]
+        if loops:
+            lo, hi = max(loops, key=lambda x: x[1] - x[0])
+            rows = [r for r in rows if lo <= r[0] <= hi]
+    seq = []
+    for _, op, _ in rows:
+        kind = next((k for k in ops if op.startswith(k)), None)
+        if kind is None:
+            continue
+        if seq and seq[-1][0] == kind:
+            seq[-1][1] += 1
+        else:
+            seq.append([kind, 1])
+    return " ".join(f"{k}x{n}" for k, n in seq)
+
+
+def resource_usage(compiled) -> dict:
+    out = _cuobjdump(compiled, "--dump-resource-usage")
     reg = re.search(r"REG:(\d+)", out)
     stack = re.search(r"STACK:(\d+)", out)
     return dict(regs=int(reg.group(1)) if reg else None, stack=int(stack.group(1)) if stack else None,

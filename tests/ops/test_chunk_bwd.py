@@ -22,14 +22,6 @@ NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 # ----------------------------------------------------------------------------------------------------------------------
 # helpers
 # ----------------------------------------------------------------------------------------------------------------------
-def _orientation(monkeypatch, trans: bool):
-    """Run the state passes (forward recompute and reverse pass) on the transposed state (GPU A/B option) or not."""
-    from gdn.kernels import chunk_fwd
-
-    monkeypatch.setenv("GDN_BWD_DH_TRANS", "1" if trans else "0")
-    monkeypatch.setitem(chunk_fwd.CONFIG, "state_trans", trans)
-
-
 def _inputs(B, T, H, HV, K, V, *, dtype=torch.float32, N=None, h0=True, dht=True, g_range=(-1.0, -0.01)):
     x = make_inputs(B, T, H, HV, K, V, dtype=dtype, g_range=g_range)
     N = B if N is None else N
@@ -231,11 +223,10 @@ def test_kernels_fp32(H, HV, K, V, C, l2):
     _compare(mine, ref, TOL32)
 
 
-@pytest.mark.parametrize("bv,trans", [("32", False), ("64", False), ("32", True)])
-def test_kernels_v_tiles(monkeypatch, bv, trans):
+@pytest.mark.parametrize("bv", ["32", "64"])
+def test_kernels_v_tiles(monkeypatch, bv):
     """V = 80 and K = 24 (not powers of two): the parallel kernels loop over V tiles (the last one partial), the
     reverse pass runs several V blocks; every masked edge is exercised."""
-    _orientation(monkeypatch, trans)
     monkeypatch.setenv("GDN_BWD_BV", bv)
     monkeypatch.setenv("GDN_BWD_DH_BV", bv)
     x, h0, do, dht = _inputs(1, 37, 1, 2, 24, 80)
@@ -245,10 +236,8 @@ def test_kernels_v_tiles(monkeypatch, bv, trans):
     _compare(mine, ref, TOL32)
 
 
-@pytest.mark.parametrize("trans", [False, True])
-def test_kernels_bf16(monkeypatch, trans):
+def test_kernels_bf16():
     """bf16 inputs and bf16 intermediates (the training configuration): fla-like accuracy."""
-    _orientation(monkeypatch, trans)
     x, h0, do, dht = _inputs(2, 50, 2, 4, 32, 16, dtype=torch.bfloat16)
     mine = _kernel_bwd(x.q, x.k, x.v, x.g, x.beta, 0.2, h0, None, 16, True, do, dht)
     ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, 0.2, h0, None, True, do, dht, C=16)
@@ -275,10 +264,9 @@ class _RefFwdKernelBwd(torch.autograd.Function):
         return dq, dk, dv, dg, db, dh0, None, None, None
 
 
-@pytest.mark.parametrize("l2,trans", [(False, False), (True, False), (True, True)])
-def test_gradcheck_fp64(monkeypatch, l2, trans):
+@pytest.mark.parametrize("l2", [False, True])
+def test_gradcheck_fp64(l2):
     """torch.autograd.gradcheck (numerical differences of the float64 reference vs the kernels in fp64)."""
-    _orientation(monkeypatch, trans)
     x, h0, _, _ = _inputs(1, 21, 1, 2, 16, 16, dtype=torch.float64)
     args = [t.detach().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta, h0)]
     # fast mode: a few random projections of the Jacobian (one kernel backward each instead of one per output)
@@ -300,11 +288,10 @@ def test_kernels_strong_and_no_decay():
     _compare(mine, ref, TOL32)
 
 
-@pytest.mark.parametrize("dht,varlen,trans", [(True, True, False), (False, False, False), (True, True, True)])
-def test_kernels_segmented_reverse_pass(monkeypatch, dht, varlen, trans):
+@pytest.mark.parametrize("dht,varlen", [(True, True), (False, False)])
+def test_kernels_segmented_reverse_pass(dht, varlen):
     """The parallel-in-time reverse pass (segments of 2 chunks + K x K transitions + merge) equals the plain one;
     ragged varlen incl. an empty sequence and a sequence shorter than one segment."""
-    _orientation(monkeypatch, trans)
     if varlen:
         lens = [37, 0, 16, 70]
         cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -336,10 +323,8 @@ def test_full_bwd_fp32(H, HV, l2, h0, dht):
             assert a.dtype == (torch.float32 if name == "dh0" else t.dtype), name
 
 
-@pytest.mark.parametrize("trans", [False, True])
-def test_full_bwd_varlen_ragged(monkeypatch, trans):
+def test_full_bwd_varlen_ragged():
     """Sequence lengths 0, 1, chunk - 1, chunk + 1 and 2 chunks + 7 in one varlen batch, GVA 2."""
-    _orientation(monkeypatch, trans)
     lens = [0, 1, 63, 65, 135]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     T = int(cu[-1])

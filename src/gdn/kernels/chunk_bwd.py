@@ -131,7 +131,7 @@ def chunk_bwd_dh_kernel(
     BK: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, L2NORM: tl.constexpr, INIT: tl.constexpr, HAS_R: tl.constexpr,
     STORE_STEPS: tl.constexpr, STORE_END: tl.constexpr, END_BY_SEG: tl.constexpr,
-    ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr, TRANS: tl.constexpr,
+    ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr,
 ):
     """Reverse pass over the chunks ``[c_beg, c_end)`` of one segment (row of ``segments`` = (sequence, c_beg,
     c_end); a whole sequence when unsegmented) for one value head and one column block of the state gradient.
@@ -141,10 +141,8 @@ def chunk_bwd_dh_kernel(
     INIT: 0 zeros, 1 ``x0[sequence]`` (dht), 2 ``x0[segment]``, 3 identity (VC = K: the segment's K x K transition,
     then HAS_R is False: no dO terms). STORE_STEPS: ``gs[chunk]`` <- G leaving the chunk, ``dvn`` <- dVn.
     STORE_END: ``xend[segment if END_BY_SEG else sequence]`` <- G entering the first chunk (dh0 when unsegmented).
-    The k, q, w tiles are pure dot operands (the L2-norm factors rq/rk are precomputed vectors applied to rows or
+    The k, q^T, w^T tiles are pure dot operands (the L2-norm factors rq/rk are precomputed vectors applied to rows or
     columns of the small side), so the pipeliner can copy them asynchronously into shared memory.
-    TRANS: G is kept transposed, G^T [BV, K] (``dVn^T = G^T Kdec^T``, ``G^T <- e^cL G^T + (f dO)^T Q - dVn^T W``), so
-    the chained operands (G^T, dVn^T) are the register A operands of the products; same arithmetic and memory layout.
     """
     DT = w.dtype.element_ty
     i_v = tl.program_id(0)
@@ -172,19 +170,11 @@ def chunk_bwd_dh_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < K
     m_v = o_v < VC
-    if TRANS:
-        m_s = m_k[None, :] & m_v[:, None]
-        o_s = o_k[None, :] * VC + o_v[:, None]
-        eye = o_k[None, :] == o_v[:, None]
-    else:
-        m_s = m_k[:, None] & m_v[None, :]
-        o_s = o_k[:, None] * VC + o_v[None, :]
-        eye = o_k[:, None] == o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_k[:, None] * VC + o_v[None, :]
 
     if INIT == 3:
-        b_dh = tl.where(eye & m_s, 1.0, 0.0).to(ACC)
-    elif TRANS:
-        b_dh = tl.zeros([BV, BK], dtype=ACC)
+        b_dh = tl.where((o_k[:, None] == o_v[None, :]) & m_s, 1.0, 0.0).to(ACC)
     else:
         b_dh = tl.zeros([BK, BV], dtype=ACC)
     if INIT == 1:
@@ -208,57 +198,33 @@ def chunk_bwd_dh_kernel(
 
         b_k = tl.load(k + row * s_kb + st[:, None] * s_kt + i_h * s_kh + o_k[None, :],
                       mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_wt = tl.load(w + (tok[None, :] * HV + i_hv) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+                       other=0.0)                                              # w^T [BK, C], loaded transposed
         b_fk = tl.exp(b_gl - b_gc)                                             # k_i -> e^(cL - c_i) kn_i
         if L2NORM:
             b_rk = tl.load(rk + (tok0 + t) * H + i_h, mask=m_t, other=0.0)
             b_fk = b_fk * b_rk
+        b_dv = tl.dot(b_k.to(MM), b_dh.to(DT).to(MM), input_precision=PREC, out_dtype=ACC) * b_fk[:, None]
         if HAS_R:
+            b_qt = tl.load(q + row * s_qb + st[None, :] * s_qt + i_h * s_qh + o_k[:, None],
+                           mask=m_k[:, None] & m_t[None, :], other=0.0)           # q^T [BK, C], loaded transposed
             b_fq = tl.exp(b_gc) * scale                                        # q_j -> scale e^(c_j) qn_j
             if L2NORM:
                 b_fq = b_fq * tl.load(rq + (tok0 + t) * H + i_h, mask=m_t, other=0.0)
-        if TRANS:
-            b_w = tl.load(w + (tok[:, None] * HV + i_hv) * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                          other=0.0)                                           # w [C, BK]
-            b_dv = tl.dot(b_dh.to(DT).to(MM), tl.trans(b_k.to(MM)), input_precision=PREC,
-                          out_dtype=ACC) * b_fk[None, :]                       # dVn^T [BV, C]
-            m_vt = m_v[:, None] & m_t[None, :]
-            if HAS_R:
-                b_q = tl.load(q + row * s_qb + st[:, None] * s_qt + i_h * s_qh + o_k[None, :],
-                              mask=m_t[:, None] & m_k[None, :], other=0.0)
-                b_do = tl.load(do + row * s_ob + st[None, :] * s_ot + i_hv * s_oh + o_v[:, None], mask=m_vt,
-                               other=0.0)                                      # dO^T [BV, C]
-                b_dv += tl.load(dvn + (tok[None, :] * HV + i_hv) * VC + o_v[:, None], mask=m_vt,
-                                other=0.0).to(ACC)
-            if STORE_STEPS:
-                tl.store(dvn + (tok[None, :] * HV + i_hv) * VC + o_v[:, None], b_dv.to(dvn.dtype.element_ty),
-                         mask=m_vt)
-            b_ndv = (-b_dv).to(DT)
-            b_dh = b_dh * tl.exp(b_gl)
-            if HAS_R:
-                b_dod = (b_do.to(ACC) * b_fq[None, :]).to(DT).to(MM)
-                b_dh = tl.dot(b_dod, b_q.to(MM), b_dh, input_precision=PREC, out_dtype=ACC)
-            b_dh = tl.dot(b_ndv.to(MM), b_w.to(MM), b_dh, input_precision=PREC, out_dtype=ACC)
-        else:
-            b_wt = tl.load(w + (tok[None, :] * HV + i_hv) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
-                           other=0.0)                                          # w^T [BK, C], loaded transposed
-            b_dv = tl.dot(b_k.to(MM), b_dh.to(DT).to(MM), input_precision=PREC, out_dtype=ACC) * b_fk[:, None]
-            if HAS_R:
-                b_qt = tl.load(q + row * s_qb + st[None, :] * s_qt + i_h * s_qh + o_k[:, None],
-                               mask=m_k[:, None] & m_t[None, :], other=0.0)       # q^T [BK, C], loaded transposed
-                b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :],
-                               mask=m_t[:, None] & m_v[None, :], other=0.0)
-                # + dv_local = (K Q^T * Gam^T) dO, written into dvn beforehand by chunk_bwd_dv_local_kernel
-                b_dv += tl.load(dvn + (tok[:, None] * HV + i_hv) * VC + o_v[None, :],
-                                mask=m_t[:, None] & m_v[None, :], other=0.0).to(ACC)
-            if STORE_STEPS:
-                tl.store(dvn + (tok[:, None] * HV + i_hv) * VC + o_v[None, :], b_dv.to(dvn.dtype.element_ty),
-                         mask=m_t[:, None] & m_v[None, :])
-            b_ndv = (-b_dv).to(DT)
-            b_dh = b_dh * tl.exp(b_gl)
-            if HAS_R:
-                b_dod = (b_do.to(ACC) * b_fq[:, None]).to(DT).to(MM)                 # (diag(f) Q)^T dO = Q^T (f dO)
-                b_dh = tl.dot(b_qt.to(MM), b_dod, b_dh, input_precision=PREC, out_dtype=ACC)
-            b_dh = tl.dot(b_wt.to(MM), b_ndv.to(MM), b_dh, input_precision=PREC, out_dtype=ACC)
+            b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :],
+                           mask=m_t[:, None] & m_v[None, :], other=0.0)
+            # + dv_local = (K Q^T * Gam^T) dO, written into dvn beforehand by chunk_bwd_dv_local_kernel
+            b_dv += tl.load(dvn + (tok[:, None] * HV + i_hv) * VC + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                            other=0.0).to(ACC)
+        if STORE_STEPS:
+            tl.store(dvn + (tok[:, None] * HV + i_hv) * VC + o_v[None, :], b_dv.to(dvn.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
+        b_ndv = (-b_dv).to(DT)
+        b_dh = b_dh * tl.exp(b_gl)
+        if HAS_R:
+            b_dod = (b_do.to(ACC) * b_fq[:, None]).to(DT).to(MM)                 # (diag(f) Q)^T dO = Q^T (f dO)
+            b_dh = tl.dot(b_qt.to(MM), b_dod, b_dh, input_precision=PREC, out_dtype=ACC)
+        b_dh = tl.dot(b_wt.to(MM), b_ndv.to(MM), b_dh, input_precision=PREC, out_dtype=ACC)
 
     if STORE_END:
         if END_BY_SEG:
@@ -637,12 +603,6 @@ def _dh_config(V: int, n_prog: int, device):
     return bv, _cfg("GDN_BWD_DH_WARPS", 4), _cfg("GDN_BWD_DH_STAGES", 1)
 
 
-def _dh_trans() -> bool:
-    """Reverse pass on the transposed state gradient (env GDN_BWD_DH_TRANS=1; see ``chunk_bwd_dh_kernel``). Off until
-    timed on a GPU: the sm_90 build takes the chained operands from registers (no shared-memory round trip)."""
-    return bool(_cfg("GDN_BWD_DH_TRANS", 0))
-
-
 def _v_tile(V: int) -> int:
     """V tile of the parallel backward kernels (dv_local, parts A and B; env GDN_BWD_BV, default 64)."""
     return min(_cfg("GDN_BWD_BV", 64), max(16, triton.next_power_of_2(V)))
@@ -728,7 +688,7 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     BV, nw, ns = _dh_config(V, ci.N * HV, dev)
     seg = _segment_len(ci.N, ci.nchunks, HV, triton.cdiv(V, BV), dev, segment_chunks)
     S, segments, seg_offsets = _plan_segments(ci.nchunks, seg, dev)
-    common = dict(meta, TRANS=_dh_trans(), num_warps=nw, num_stages=ns)
+    common = dict(meta, num_warps=nw, num_stages=ns)
     if seg is None:
         chunk_bwd_dh_kernel[(triton.cdiv(V, BV), HV, S)](
             q, k, w, g_cum, do, rq, rk, dht, dh0, gs, dvn, segments, ci.chunk_offsets, *args,

@@ -66,13 +66,6 @@ _DEFAULT_CONFIG = {
     "fp32_dot_precision": "tf32x3",
     # sequential state pass: BV tile of the state (0 = automatic: 64 for K <= 128, else 32)
     "state_BV": 0, "state_warps": 4, "state_stages": 2, "state_maxnreg": 0,
-    # state pass orientation: True keeps the transposed state h^T [V-tile, K] in registers, so every product of the
-    # sequential chain takes its chained operand (h^T, the residual, v_new) as the register A operand of the tensor
-    # core instruction and only loaded tiles (k, Ainv, w) go through shared memory; False keeps h [K, V-tile] (the
-    # chained operand is the B operand: a shared-memory round trip and barrier per product)
-    "state_trans": False,
-    # state pass: store the per-chunk h through a TMA descriptor (see _chunk_state_kernel's H_TMA)
-    "state_h_tma": False,
     # output kernel
     "output_BK": 128, "output_BV": 64, "output_warps": 4, "output_stages": 1, "output_maxnreg": 0,
     # value heads per output program (they share q, k and q k^T; 0 = all HV / H of a q/k head)
@@ -586,31 +579,10 @@ def _dot_h(a, h, h_dt, DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constex
     return r
 
 
-@triton.jit
-def _dot_hT(hT, hT_dt, b, DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr):
-    """h^T @ b for the transposed fp32 state (``hT_dt`` = h^T rounded to DT; SPLIT_H as in :func:`_dot_h`)."""
-    r = _dot(hT_dt, b, PREC)
-    if SPLIT_H:
-        r += _dot(_rn((hT - hT_dt.to(tl.float32)), DT), b, PREC)
-    return r
-
-
-@triton.jit
-def _state_tile(ok, ov, mk, mv, sk, sv, TRANS: tl.constexpr):
-    """Offsets and mask of a state tile: [KP, BV] (k rows, v columns), or [BV, KP] with TRANS."""
-    if TRANS:
-        off = ok[None, :] * sk + ov[:, None] * sv
-        msk = mk[None, :] & mv[:, None]
-    else:
-        off = ok[:, None] * sk + ov[None, :] * sv
-        msk = mk[:, None] & mv[None, :]
-    return off, msk
-
-
 @triton.jit(do_not_specialize=["T", "P0", "P1"])
 def _chunk_state_kernel(
-    k, v, beta, ainv, w, u, gcum, rk_in, h_out, h_desc, vnew, h0, ht, h0_idx, ht_idx, segments, chunk_offsets,
-    cu_seqlens, q, rq_in, o, o_idx, T, P0, P1, NV, PO, scale,
+    k, v, beta, ainv, w, u, gcum, rk_in, h_out, vnew, h0, ht, h0_idx, ht_idx, segments, chunk_offsets, cu_seqlens,
+    q, rq_in, o, o_idx, T, P0, P1, NV, PO, scale,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
     s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, s_qb, s_qt, s_qh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
@@ -619,7 +591,7 @@ def _chunk_state_kernel(
     HAS_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VNEW: tl.constexpr,
     STORE_FINAL: tl.constexpr, HT_BY_SEG: tl.constexpr, HT_INDEXED: tl.constexpr,
     FUSE_OUT: tl.constexpr, O_INDEXED: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr, TRANS: tl.constexpr, H_TMA: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr,
 ):
     """State h [K, V-tile] of one (segment, value head), fp32 in registers, over the segment's chunks.
 
@@ -628,16 +600,11 @@ def _chunk_state_kernel(
     v_new = U - W h from stored w/u (FROM_AINV=False), or with FROM_AINV
     v_new = Ainv @ (beta * (v - diag(exp(g_cum) r_k) (k @ h))) (no w/u round trip, better precision);
     h = exp(g_last) h + k^T (diag(exp(g_last - g_cum) r_k) v_new).
-    TRANS: the same arithmetic on the transposed state h^T [V-tile, K] (v_new^T = (beta r)^T Ainv^T,
-    h^T = exp(g_last) h^T + (v_new^T diag(...)) k): each chained operand is a product's A operand, kept in registers.
     INIT: 0 = zeros, 1 = from h0 (row = segment or sequence, optionally through h0_idx with -1/out-of-range = zeros),
     2 = identity (transition matrix; then V == K and HAS_U is False: v / u are taken as zero),
     3 = both passes of a segmented run in one launch: programs i_v < NV run the local pass from zero (final -> ht,
     row = segment), programs i_v >= NV the transition matrix from the identity without v (final -> h0, row =
     segment, with h0's strides).
-    H_TMA: the per-chunk h goes out through ``h_desc`` (a TMA descriptor over h_out as [NT * HV * K, V], block
-    [K, BV]; needs K == KP): one shared-memory round and a bulk copy instead of a register layout conversion
-    (~8 rounds of shared-memory stores, loads and barriers on sm_90) ahead of every chunk's products.
     FUSE_OUT: also write the output o of every chunk (as the output kernel does) from the state in registers, so
     that neither h nor v_new goes through memory (O_INDEXED: zeros for sequences whose o_idx row is invalid);
     r_q is read from ``rq_in`` [B, T, H].
@@ -662,24 +629,16 @@ def _chunk_state_kernel(
         not_t = True
         ov = i_v * BV + tl.arange(0, BV)
         mv = ov < V
-    # state tile offsets / masks for h0, ht and the per-chunk h (v_last [K, V] rows of h_out)
-    off0, m_kv = _state_tile(ok, ov, mk, mv, s0k, s0v, TRANS)
-    off1, _m1 = _state_tile(ok, ov, mk, mv, s1k, s1v, TRANS)
-    offh, _mh = _state_tile(ok, ov, mk, mv, V, 1, TRANS)
-    if TRANS:
-        eye = ok[None, :] == ov[:, None]
-    else:
-        eye = ok[:, None] == ov[None, :]
+    m_kv = mk[:, None] & mv[None, :]
 
     if INIT == 1:
         row, ok0 = _state_row(h0_idx, i_s, n, P0, H0_BY_SEG, H0_INDEXED)
-        h = tl.load(h0 + row * s0n + i_hv * s0h + off0, mask=m_kv & ok0, other=0.0).to(tl.float32)
+        p0 = h0 + row * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v
+        h = tl.load(p0, mask=m_kv & ok0, other=0.0).to(tl.float32)
     elif INIT == 2:
-        h = tl.where(eye & m_kv, 1.0, 0.0)
+        h = tl.where((ok[:, None] == ov[None, :]) & m_kv, 1.0, 0.0)
     elif INIT == 3:
-        h = tl.where(eye & m_kv & is_t, 1.0, 0.0)
-    elif TRANS:
-        h = tl.zeros([BV, KP], tl.float32)
+        h = tl.where((ok[:, None] == ov[None, :]) & m_kv & is_t, 1.0, 0.0)
     else:
         h = tl.zeros([KP, BV], tl.float32)
     if O_INDEXED:
@@ -698,14 +657,8 @@ def _chunk_state_kernel(
         m = rows < eos
         trow = (tok0 + rows) * HV + i_hv
         if STORE_H:
-            if H_TMA:
-                hd = _rn(h, h_out.dtype.element_ty)
-                if TRANS:
-                    hd = tl.trans(hd)
-                h_desc.store([(((choff + c) * HV + i_hv) * K).to(tl.int32), i_v * BV], hd)
-            else:
-                tl.store(h_out + ((choff + c) * HV + i_hv) * (K * V) + offh, _rn(h, h_out.dtype.element_ty),
-                         mask=m_kv)
+            hp = h_out + ((choff + c) * HV + i_hv) * (K * V) + ok[:, None] * V + ov[None, :]
+            tl.store(hp, _rn(h, h_out.dtype.element_ty), mask=m_kv)
         b_g = tl.load(gcum + trow, mask=m, other=0.0)
         last = tl.minimum(t0 + 64, eos) - 1
         g_last = tl.load(gcum + (tok0 + last) * HV + i_hv)
@@ -715,94 +668,54 @@ def _chunk_state_kernel(
         else:
             rk = tl.where(m, 1.0, 0.0)
         h_dt = _rn(h, DT)
-        dec = tl.where(m, tl.exp(g_last - b_g), 0.0) * rk
-        if TRANS:
-            # [BV, 64] tiles: column t = token t of the chunk
-            if FROM_AINV:
-                b_r = -_dot_hT(h, h_dt, tl.trans(b_k), DT, PREC, SPLIT_H) * (tl.exp(b_g) * rk)[None, :]
-                if HAS_U:
-                    b_r += tl.load(v_base + rows[None, :] * s_vt + ov[:, None],
-                                   mask=m[None, :] & mv[:, None] & not_t, other=0.0).to(tl.float32)
-                b_beta = tl.load(b_base + rows * s_bt, mask=m, other=0.0).to(tl.float32)
-                b_a = _rn(tl.load(ainv + trow[:, None] * 64 + to[None, :], mask=m[:, None], other=0.0), DT)
-                b_v = _dot(_rn(b_r * b_beta[None, :], DT), tl.trans(b_a), PREC)
-            else:
-                b_w = _rn(tl.load(w + trow[:, None] * K + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0),
-                          DT)
-                b_v = -_dot_hT(h, h_dt, tl.trans(b_w), DT, PREC, SPLIT_H)
-                if HAS_U:
-                    b_v += tl.load(u + trow[None, :] * V + ov[:, None], mask=m[None, :] & mv[:, None] & not_t,
-                                   other=0.0).to(tl.float32)
-            if STORE_VNEW:
-                tl.store(vnew + trow[None, :] * V + ov[:, None], _rn(b_v, vnew.dtype.element_ty),
-                         mask=m[None, :] & mv[:, None])
-            if FUSE_OUT:
-                # o^T = scale * ((h^T q^T) diag(exp(g) r_q) + v_new^T att^T)
-                b_q = _rn(tl.load(q + i_b * s_qb + i_h * s_qh + rows[:, None] * s_qt + ok[None, :],
-                                  mask=m[:, None] & mk[None, :], other=0.0), DT)
-                if USE_L2:
-                    rq = tl.load(rq_in + (tok0 + rows) * H + i_h, mask=m, other=0.0) * scale
-                else:
-                    rq = tl.full([64], 1.0, tl.float32) * scale
-                b_o = _dot(h_dt, tl.trans(b_q), PREC) * (rq * tl.exp(b_g))[None, :]
-                # att^T [key j, query i] as its own product of loaded tiles (no transpose of a computed tensor:
-                # the Hopper miscompile pattern of fla #640)
-                kq = _dot(b_k, tl.trans(b_q), PREC)
-                causal_t = to[None, :] >= to[:, None]
-                att_t = tl.where(causal_t, kq * tl.exp(tl.where(causal_t, b_g[None, :] - b_g[:, None], 0.0)) *
-                                 rk[:, None] * rq[None, :], 0.0)
-                b_o += _dot(_rn(b_v, DT), _rn(att_t, DT), PREC)
-                if O_INDEXED:
-                    b_o = tl.where(o_ok, b_o, 0.0)
-                tl.store(o + i_b * s_ob + i_hv * s_oh + rows[None, :] * s_ot + ov[:, None],
-                         _rn(b_o, o.dtype.element_ty), mask=m[None, :] & mv[:, None])
-            h = h * tl.exp(g_last) + _dot(_rn(b_v * dec[None, :], DT), b_k, PREC)
+        if FROM_AINV:
+            b_r = -_dot_h(b_k, h, h_dt, DT, PREC, SPLIT_H) * (tl.exp(b_g) * rk)[:, None]
+            if HAS_U:
+                b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
+                               other=0.0).to(tl.float32)
+            b_beta = tl.load(b_base + rows * s_bt, mask=m, other=0.0).to(tl.float32)
+            b_a = _rn(tl.load(ainv + trow[:, None] * 64 + to[None, :], mask=m[:, None], other=0.0), DT)
+            b_v = _dot(b_a, _rn(b_r * b_beta[:, None], DT), PREC)
         else:
-            if FROM_AINV:
-                b_r = -_dot_h(b_k, h, h_dt, DT, PREC, SPLIT_H) * (tl.exp(b_g) * rk)[:, None]
-                if HAS_U:
-                    b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :],
-                                   mask=m[:, None] & mv[None, :] & not_t, other=0.0).to(tl.float32)
-                b_beta = tl.load(b_base + rows * s_bt, mask=m, other=0.0).to(tl.float32)
-                b_a = _rn(tl.load(ainv + trow[:, None] * 64 + to[None, :], mask=m[:, None], other=0.0), DT)
-                b_v = _dot(b_a, _rn(b_r * b_beta[:, None], DT), PREC)
+            b_w = _rn(tl.load(w + trow[:, None] * K + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
+            b_v = -_dot_h(b_w, h, h_dt, DT, PREC, SPLIT_H)
+            if HAS_U:
+                b_v += tl.load(u + trow[:, None] * V + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
+                               other=0.0).to(tl.float32)
+        if STORE_VNEW:
+            tl.store(vnew + trow[:, None] * V + ov[None, :], _rn(b_v, vnew.dtype.element_ty),
+                     mask=m[:, None] & mv[None, :])
+        b_vd = _rn(b_v, DT)
+        if FUSE_OUT:
+            # o = scale * (diag(exp(g) r_q) (q @ h) + ((q k^T) * r_q r_k^T * Gamma, causal) @ v_new)
+            b_q = _rn(tl.load(q + i_b * s_qb + i_h * s_qh + rows[:, None] * s_qt + ok[None, :],
+                              mask=m[:, None] & mk[None, :], other=0.0), DT)
+            if USE_L2:
+                rq = tl.load(rq_in + (tok0 + rows) * H + i_h, mask=m, other=0.0) * scale
             else:
-                b_w = _rn(tl.load(w + trow[:, None] * K + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0),
-                          DT)
-                b_v = -_dot_h(b_w, h, h_dt, DT, PREC, SPLIT_H)
-                if HAS_U:
-                    b_v += tl.load(u + trow[:, None] * V + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
-                                   other=0.0).to(tl.float32)
-            if STORE_VNEW:
-                tl.store(vnew + trow[:, None] * V + ov[None, :], _rn(b_v, vnew.dtype.element_ty),
-                         mask=m[:, None] & mv[None, :])
-            b_vd = _rn(b_v, DT)
-            if FUSE_OUT:
-                # o = scale * (diag(exp(g) r_q) (q @ h) + ((q k^T) * r_q r_k^T * Gamma, causal) @ v_new)
-                b_q = _rn(tl.load(q + i_b * s_qb + i_h * s_qh + rows[:, None] * s_qt + ok[None, :],
-                                  mask=m[:, None] & mk[None, :], other=0.0), DT)
-                if USE_L2:
-                    rq = tl.load(rq_in + (tok0 + rows) * H + i_h, mask=m, other=0.0) * scale
-                else:
-                    rq = tl.full([64], 1.0, tl.float32) * scale
-                b_o = _dot(b_q, h_dt, PREC) * (rq * tl.exp(b_g))[:, None]
-                qk = _dot(b_q, tl.trans(b_k), PREC)
-                att = tl.where(causal, qk * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)) *
-                               rq[:, None] * rk[None, :], 0.0)
-                b_o += _dot(_rn(att, DT), b_vd, PREC)
-                if O_INDEXED:
-                    b_o = tl.where(o_ok, b_o, 0.0)
-                tl.store(o + i_b * s_ob + i_hv * s_oh + rows[:, None] * s_ot + ov[None, :],
-                         _rn(b_o, o.dtype.element_ty), mask=m[:, None] & mv[None, :])
-            h = h * tl.exp(g_last) + _dot(tl.trans(b_k), _rn(b_v * dec[:, None], DT), PREC)
+                rq = tl.full([64], 1.0, tl.float32) * scale
+            b_o = _dot(b_q, h_dt, PREC) * (rq * tl.exp(b_g))[:, None]
+            qk = _dot(b_q, tl.trans(b_k), PREC)
+            att = tl.where(causal, qk * tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)) *
+                           rq[:, None] * rk[None, :], 0.0)
+            b_o += _dot(_rn(att, DT), b_vd, PREC)
+            if O_INDEXED:
+                b_o = tl.where(o_ok, b_o, 0.0)
+            tl.store(o + i_b * s_ob + i_hv * s_oh + rows[:, None] * s_ot + ov[None, :], _rn(b_o, o.dtype.element_ty),
+                     mask=m[:, None] & mv[None, :])
+        dec = tl.where(m, tl.exp(g_last - b_g), 0.0) * rk
+        h = h * tl.exp(g_last) + _dot(tl.trans(b_k), _rn(b_v * dec[:, None], DT), PREC)
 
     if INIT == 3:
         rs = i_s.to(tl.int64)
-        tl.store(ht + rs * s1n + i_hv * s1h + off1, _rn(h, ht.dtype.element_ty), mask=m_kv & not_t)
-        tl.store(h0 + rs * s0n + i_hv * s0h + off0, _rn(h, h0.dtype.element_ty), mask=m_kv & is_t)
+        tl.store(ht + rs * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v, _rn(h, ht.dtype.element_ty),
+                 mask=m_kv & not_t)
+        tl.store(h0 + rs * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v, _rn(h, h0.dtype.element_ty),
+                 mask=m_kv & is_t)
     elif STORE_FINAL:
         row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
-        tl.store(ht + row1 * s1n + i_hv * s1h + off1, _rn(h, ht.dtype.element_ty), mask=m_kv & ok1)
+        p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
+        tl.store(p1, _rn(h, ht.dtype.element_ty), mask=m_kv & ok1)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -1108,20 +1021,6 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: to
     return w, u
 
 
-def _h_descriptor(h_out: Optional[torch.Tensor], K: int, KP: int, bv: int):
-    """TMA descriptor for the per-chunk states h [NT, HV, K, V] seen as [NT * HV * K, V] with block [K, bv], when
-    CONFIG["state_h_tma"] asks for it and the shape allows it (K a power of two, rows of 16-byte multiples); else
-    None (plain stores)."""
-    if h_out is None or not CONFIG["state_h_tma"] or K != KP or K > 256 or h_out.numel() == 0:
-        return None
-    V = h_out.shape[-1]
-    if (V * h_out.element_size()) % 16 or not h_out.is_contiguous() or h_out.shape[0] * h_out.shape[1] * K >= 2 ** 31:
-        return None
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(h_out.view(-1, V), [K, bv])
-
-
 def _state_strides(x: Optional[torch.Tensor], layout: str):
     if x is None:
         return (0, 0, 0, 0)
@@ -1210,9 +1109,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, fuse=False, **flags):
         fq, fo = (fz["q"], fz["o"]) if fuse else (k, dummy)
         fidx = fz.get("o_idx") if fuse else None
-        h_desc = _h_descriptor(h_out, K, KP, bv)
         _launch(_chunk_state_kernel, (triton.cdiv(Vd, bv) + n_extra, HV, S),
-                k, vv, bb, aa, ww, uu, g_cum, rk_arg, h_out if h_out is not None else dummy, h_desc,
+                k, vv, bb, aa, ww, uu, g_cum, rk_arg, h_out if h_out is not None else dummy,
                 vn_out if vn_out is not None else dummy, h0 if h0 is not None else dummy,
                 ht_ if ht_ is not None else dummy, h0_idx if h0_idx is not None else ci.chunk_offsets,
                 ht_idx if ht_idx is not None else ci.chunk_offsets, plan.segments, ci.chunk_offsets, cu,
@@ -1221,7 +1119,6 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 *_strides3(k), *sv, *sb, *s0, *s1, *_strides3(fq), *(_strides3(fo) if fuse else (0, 0, 0)),
                 H=H, HV=HV, K=K, V=Vd, KP=KP, BV=bv, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
                 FROM_AINV=from_ainv, DT=_TL[dt], PREC=CONFIG["fp32_dot_precision"], SPLIT_H=split_h,
-                TRANS=bool(CONFIG["state_trans"]), H_TMA=h_desc is not None,
                 STORE_H=h_out is not None, STORE_VNEW=vn_out is not None, STORE_FINAL=ht_ is not None,
                 FUSE_OUT=fuse, O_INDEXED=fidx is not None,
                 num_warps=int(CONFIG["state_warps"]), num_stages=int(CONFIG["state_stages"]),
