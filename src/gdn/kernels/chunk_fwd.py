@@ -651,11 +651,20 @@ def _chunk_state_kernel(
     b_base = beta + i_b * s_bb + i_hv * s_bh
     to = tl.arange(0, 64)
     causal = to[:, None] >= to[None, :]
+    if FROM_AINV:
+        # beta (16-bit, strided: not copied asynchronously by the pipeliner) is loaded one chunk ahead, at the top of
+        # the previous chunk, so its latency is off the chain of products
+        rows_n = bos + c_beg.to(tl.int64) * 64 + to
+        beta_next = tl.load(b_base + rows_n * s_bt, mask=rows_n < eos, other=0.0)
     for c in range(c_beg.to(tl.int64), c_end.to(tl.int64)):
         t0 = bos + c * 64
         rows = t0 + to
         m = rows < eos
         trow = (tok0 + rows) * HV + i_hv
+        if FROM_AINV:
+            b_beta = beta_next.to(tl.float32)
+            rows_n = rows + 64
+            beta_next = tl.load(b_base + rows_n * s_bt, mask=(rows_n < eos) & (c + 1 < c_end), other=0.0)
         if STORE_H:
             hp = h_out + ((choff + c) * HV + i_hv) * (K * V) + ok[:, None] * V + ov[None, :]
             tl.store(hp, _rn(h, h_out.dtype.element_ty), mask=m_kv)
@@ -673,7 +682,6 @@ def _chunk_state_kernel(
             if HAS_U:
                 b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
                                other=0.0).to(tl.float32)
-            b_beta = tl.load(b_base + rows * s_bt, mask=m, other=0.0).to(tl.float32)
             b_a = _rn(tl.load(ainv + trow[:, None] * 64 + to[None, :], mask=m[:, None], other=0.0), DT)
             b_v = _dot(b_a, _rn(b_r * b_beta[:, None], DT), PREC)
         else:
