@@ -2,6 +2,7 @@
 dtype, next to the peers.
 
     python bench/sweep_decode.py --out $OUT/sweep_decode.json
+    python bench/sweep_decode.py --layout v_last ...   # gdn only, state [B, HV, K, V] (GDNCache's default layout)
 
 Times CUDA-graph replays of many calls over rotated state buffers (>= 2x L2 of state per replay), median of events.
 Peers (FlashInfer gated_delta_rule_decode_pretranspose, fla fused_recurrent_gated_delta_rule) when importable.
@@ -43,7 +44,7 @@ def graph_time_ms(calls, reps=20):
     return statistics.median(ts)
 
 
-def make(B, state_dtype, n_buf):
+def make(B, state_dtype, n_buf, layout="k_last"):
     dev = "cuda"
     bufs = []
     for _ in range(n_buf):
@@ -51,7 +52,8 @@ def make(B, state_dtype, n_buf):
             q=torch.randn(B, 1, H, K, device=dev, dtype=torch.bfloat16),
             k=torch.randn(B, 1, H, K, device=dev, dtype=torch.bfloat16),
             v=torch.randn(B, 1, HV, V, device=dev, dtype=torch.bfloat16),
-            state=torch.randn(B, HV, V, K, device=dev).to(state_dtype) * 0.1,
+            state=torch.randn(*((B, HV, V, K) if layout == "k_last" else (B, HV, K, V)), device=dev).to(state_dtype)
+            * 0.1,
             a=torch.randn(B, 1, HV, device=dev, dtype=torch.bfloat16),
             b=torch.randn(B, 1, HV, device=dev, dtype=torch.bfloat16),
             out=torch.empty(B, 1, HV, V, device=dev, dtype=torch.bfloat16),
@@ -67,7 +69,10 @@ def main():
     ap.add_argument("--batches", default="1,32,128,512,2048")
     ap.add_argument("--configs", default="32:2:1:1,16:2:4:8")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--layout", default="k_last", choices=["k_last", "v_last"],
+                    help="state layout; v_last times gdn only (the peers' decode takes k_last)")
     args = ap.parse_args()
+    layout = args.layout
     from gdn.ops import gated_delta_rule_decode
 
     try:
@@ -75,6 +80,8 @@ def main():
     except Exception as e:  # noqa: BLE001
         fi_decode = None
         print("flashinfer unavailable:", repr(e)[:200])
+    if layout != "k_last":
+        fi_decode = None
     try:
         from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as fla_rec
     except Exception as e:  # noqa: BLE001
@@ -91,9 +98,9 @@ def main():
         for sd in [getattr(torch, x) for x in args.dtypes.split(",")]:
             state_bytes = B * HV * K * V * torch.tensor([], dtype=sd).element_size()
             n_buf = max(1, min(64, int(2 * l2 // state_bytes) + 1))
-            bufs, A_log, dt_bias = make(B, sd, n_buf)
+            bufs, A_log, dt_bias = make(B, sd, n_buf, layout)
             moved = 2 * state_bytes + B * (2 * H * K + 2 * HV * V) * 2
-            row = dict(B=B, state_dtype=str(sd)[6:], n_buf=n_buf, bytes=moved, copy_GBps=copy_bw)
+            row = dict(B=B, state_dtype=str(sd)[6:], layout=layout, n_buf=n_buf, bytes=moved, copy_GBps=copy_bw)
             if fi_decode is not None:  # timed before and after gdn's configurations: the drift between the two is noise
                 try:
                     row["flashinfer_first"] = graph_time_ms([lambda d=d: fi_decode(
@@ -105,7 +112,8 @@ def main():
                 # GDN_DECODE_CFG of gdn.kernels.recurrent: BV:warps:stages:tiles[:maxnreg]
                 os.environ["GDN_DECODE_CFG"] = cfg
                 calls = [lambda d=d: gated_delta_rule_decode(d["q"], d["k"], d["v"], d["state"], A_log, d["a"],
-                                                             dt_bias, d["b"], use_qk_l2norm=True, output=d["out"])
+                                                             dt_bias, d["b"], use_qk_l2norm=True, output=d["out"],
+                                                             state_layout=layout)
                          for d in bufs]
                 try:
                     row[f"gdn_{cfg}"] = graph_time_ms(calls)
@@ -114,7 +122,8 @@ def main():
                     print("gdn", cfg, repr(e)[:300])
                 os.environ.pop("GDN_DECODE_CFG", None)
             calls = [lambda d=d: gated_delta_rule_decode(d["q"], d["k"], d["v"], d["state"], A_log, d["a"], dt_bias,
-                                                         d["b"], use_qk_l2norm=True, output=d["out"]) for d in bufs]
+                                                         d["b"], use_qk_l2norm=True, output=d["out"],
+                                                         state_layout=layout) for d in bufs]
             row["gdn_default"] = graph_time_ms(calls)
             if fi_decode is not None:
                 calls = [lambda d=d: fi_decode(d["q"], d["k"], d["v"], d["state"], A_log, d["a"], dt_bias, d["b"],
@@ -124,7 +133,7 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     row["flashinfer"] = None
                     print("flashinfer", repr(e)[:300])
-            if fla_rec is not None and sd == torch.float32 and os.environ.get("SWEEP_FLA"):
+            if fla_rec is not None and sd == torch.float32 and os.environ.get("SWEEP_FLA") and layout == "k_last":
                 def fla_call(d):
                     g = -torch.exp(A_log) * torch.nn.functional.softplus(d["a"].float() + dt_bias)
                     beta = torch.sigmoid(d["b"].float())
