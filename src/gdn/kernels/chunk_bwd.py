@@ -238,21 +238,21 @@ def chunk_bwd_dv_local_kernel(
     q, k, gcum, do, rq, rk, dvl, cu_seqlens, chunk_indices, scale, T,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, HPP: tl.constexpr,
     VARLEN: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """One chunk x one value head, parallel: ``dv_local = (K Q^T * Gam^T) dO`` ([C, V], the gradient of v_new
-    through the intra-chunk attention), written to ``dvl`` (the reverse pass adds its state term in place).
-    ``(K Q^T)_ij = scale r_k,i r_q,j k_i.q_j exp(c_j - c_i)`` for j >= i, else 0; computed once for all V tiles."""
+    """One chunk x HPP value heads (of one q/k head), parallel: ``dv_local = (K Q^T * Gam^T) dO`` ([C, V], the
+    gradient of v_new through the intra-chunk attention), written to ``dvl`` (the reverse pass adds its state term in
+    place). ``(K Q^T)_ij = scale r_k,i r_q,j k_i.q_j exp(c_j - c_i)`` for j >= i, else 0; the raw K Q^T once for the
+    program's value heads, their gates per head, all V tiles."""
     DT = dvl.dtype.element_ty
     i_t = tl.program_id(0)
-    i_hv = tl.program_id(1)
-    i_h = i_hv // (HV // H)
+    i_g = tl.program_id(1)
+    i_h = (i_g * HPP) // (HV // H)
     row, tok, st, m_t, n_valid = _chunk_rows(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_gc, b_gl = _chunk_gates(gcum, tok, i_hv, m_t, n_valid, HV, C, ACC)
     b_k = tl.load(k + row * s_kb + st[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.0)
     b_q = tl.load(q + row * s_qb + st[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.0)
     b_kq = tl.dot(b_k.to(MM), tl.trans(b_q.to(MM)), input_precision=PREC, out_dtype=ACC)
@@ -262,14 +262,19 @@ def chunk_bwd_dv_local_kernel(
     if L2NORM:
         b_fr = b_fr * tl.load(rk + tok * H + i_h, mask=m_t, other=0.0)
         b_fc = tl.load(rq + tok * H + i_h, mask=m_t, other=0.0)
-    b_kq = tl.where(upper, b_kq * tl.exp(tl.where(upper, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0)
-    b_kq = (b_kq * b_fr[:, None] * b_fc[None, :]).to(DT).to(MM)
-    for v0 in tl.static_range(0, V, BV):
-        o_v = v0 + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (o_v < V)[None, :]
-        b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :], mask=m_tv, other=0.0)
-        b_dv = tl.dot(b_kq, b_do.to(DT).to(MM), input_precision=PREC, out_dtype=ACC)
-        tl.store(dvl + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_dv.to(DT), mask=m_tv)
+    b_kq = b_kq * b_fr[:, None] * b_fc[None, :]
+    for j in tl.static_range(HPP):
+        i_hv = i_g * HPP + j
+        b_gc, b_gl = _chunk_gates(gcum, tok, i_hv, m_t, n_valid, HV, C, ACC)
+        b_a = tl.where(upper, b_kq * tl.exp(tl.where(upper, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0)
+        b_a = b_a.to(DT).to(MM)
+        for v0 in tl.static_range(0, V, BV):
+            o_v = v0 + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :], mask=m_tv,
+                           other=0.0)
+            b_dv = tl.dot(b_a, b_do.to(DT).to(MM), input_precision=PREC, out_dtype=ACC)
+            tl.store(dvl + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_dv.to(DT), mask=m_tv)
 
 
 @triton.jit
@@ -603,6 +608,14 @@ def _dh_config(V: int, n_prog: int, device):
     return bv, _cfg("GDN_BWD_DH_WARPS", 4), _cfg("GDN_BWD_DH_STAGES", 1)
 
 
+def _dv_local_heads(H: int, HV: int) -> int:
+    """Value heads per dv_local program (env GDN_BWD_DVL_HEADS: 1 (default) or 0 = every value head of a q/k head;
+    else the largest divisor of HV / H not above it): they share q, k and the raw K Q^T."""
+    r = HV // H
+    want = _cfg("GDN_BWD_DVL_HEADS", 1) or r
+    return max(d for d in range(1, r + 1) if r % d == 0 and d <= want)
+
+
 def _v_tile(V: int) -> int:
     """V tile of the parallel backward kernels (dv_local, parts A and B; env GDN_BWD_BV, default 64)."""
     return min(_cfg("GDN_BWD_BV", 64), max(16, triton.next_power_of_2(V)))
@@ -682,9 +695,10 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     meta = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None, L2NORM=l2, ACC=_acc_dtype(q.dtype),
                 MM=_mm_dtype(w.dtype), PREC=_dot_precision(w.dtype))
     args = (cu_seqlens, float(scale), T, *_strides(q), *_strides(k), *_strides(do))
-    chunk_bwd_dv_local_kernel[(ci.NT, HV)](
-        q, k, g_cum, do, rq, rk, dvn, cu_seqlens, ci.chunk_indices, *args[1:], V=V, BV=_v_tile(V), num_warps=4,
-        num_stages=2, **meta)
+    hpp = _dv_local_heads(H, HV)
+    chunk_bwd_dv_local_kernel[(ci.NT, HV // hpp)](
+        q, k, g_cum, do, rq, rk, dvn, cu_seqlens, ci.chunk_indices, *args[1:], V=V, BV=_v_tile(V), HPP=hpp,
+        num_warps=4, num_stages=2, **meta)
     BV, nw, ns = _dh_config(V, ci.N * HV, dev)
     seg = _segment_len(ci.N, ci.nchunks, HV, triton.cdiv(V, BV), dev, segment_chunks)
     S, segments, seg_offsets = _plan_segments(ci.nchunks, seg, dev)
