@@ -182,3 +182,37 @@ def test_packed_projection_equals_grouped_unpacking():
     for a, b in zip(outs[True][0] + outs[True][1], outs[False][0] + outs[False][1]):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_wrapped_or_hooked_projections_are_called():
+    """A LoRA-style wrapper (``.weight`` is the frozen base weight, forward adds a low-rank term) or a forward hook on
+    an in-projection changes what it computes: with many tokens the layer must still call the modules, not take their
+    weights (the packed projection path is only for plain bias-free nn.Linear)."""
+    import torch.nn as nn
+
+    class LoRA(nn.Module):
+        def __init__(self, base, r=2):
+            super().__init__()
+            self.base_layer = base
+            self.A = nn.Parameter(torch.randn(r, base.in_features, device=DEV) * 0.3)
+            self.B = nn.Parameter(torch.randn(base.out_features, r, device=DEV) * 0.3)
+
+        @property
+        def weight(self):
+            return self.base_layer.weight
+
+        def forward(self, x):
+            return self.base_layer(x) + x @ self.A.t() @ self.B.t()
+
+    layer = make_layer()
+    x = torch.randn(2, 20, 32, device=DEV)          # 40 tokens >= hidden 32: the packed path would apply
+    layer.in_proj_qkvz = LoRA(layer.in_proj_qkvz)
+    mixed = layer._project(x)[0]
+    assert rel_err(mixed, layer._project(x, packed=False)[0]) < 1e-6
+    y = layer(x)
+    y.sum().backward()
+    assert layer.in_proj_qkvz.A.grad is not None and layer.in_proj_qkvz.A.grad.abs().sum() > 0
+    layer2 = make_layer()
+    layer2.in_proj_ba.register_forward_hook(lambda m, i, o: o * 0)
+    b = layer2._project(x)[2]
+    assert torch.count_nonzero(b) == 0

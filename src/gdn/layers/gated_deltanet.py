@@ -50,6 +50,15 @@ def _tp_world(group) -> Tuple[int, int]:
 # ----------------------------------------------------------------------------------------------------------------------
 # the block
 # ----------------------------------------------------------------------------------------------------------------------
+def _plain_linear(m: nn.Module) -> bool:
+    """Whether calling ``m`` is exactly ``F.linear(x, m.weight)``: a plain bias-free nn.Linear without forward hooks
+    (a PEFT / LoRA wrapper or a hook changes what the projection computes, so its weight alone must not be used)."""
+    from torch.nn.modules import module as _mod
+
+    return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
+            and not _mod._global_forward_hooks and not _mod._global_forward_pre_hooks)
+
+
 class GatedDeltaNet(nn.Module):
     """Gated DeltaNet block.
 
@@ -162,7 +171,8 @@ class GatedDeltaNet(nn.Module):
         """``x [B, T, hidden]`` -> ``mixed_qkv [B, T, conv_dim]`` (Q|K|V channels), ``z [B, T, HV, V]``, ``b``, ``a``
         ``[B, T, HV]``. With ``dtype`` the weights are cast (the reference forward in float64). ``packed`` (qwen3_next):
         reorder the weight rows instead of the outputs; None = when there are at least ``hidden_size`` tokens (then
-        the weight is the smaller tensor to move); the oracle passes False (the plain unpacking)."""
+        the weight is the smaller tensor to move) and both in-projections are plain nn.Linear modules without hooks
+        (else the modules are called); the oracle passes False (the plain unpacking)."""
         B, T = x.shape[:2]
         H, HV, K, V = self.local_num_k_heads, self.local_num_v_heads, self.head_k_dim, self.head_v_dim
         r = HV // H
@@ -171,7 +181,8 @@ class GatedDeltaNet(nn.Module):
             return m(x) if dtype is None else F.linear(x, m.weight.to(dtype))
 
         if packed is None:
-            packed = B * T >= self.hidden_size
+            packed = B * T >= self.hidden_size and self.projection == "qwen3_next" and all(
+                _plain_linear(m) for m in (self.in_proj_qkvz, self.in_proj_ba))
         if self.projection == "qwen3_next" and packed:
             # many tokens: gather the weight rows into Q|K|V|Z (and B|A) order once, so the products come out packed
             # and split into views (backward: one concatenation), instead of copying the activations into that order
