@@ -463,6 +463,19 @@ def test_output_kernel_value_heads_per_program(heads, BK, BV):
             assert rel_err(pool[i], rht[n]) <= 2e-3
 
 
+def test_heads_per_program_settings_are_checked(monkeypatch):
+    from gdn.kernels import chunk_bwd, chunk_fwd
+
+    with chunk_fwd.config_override(output_heads=-1):
+        with pytest.raises(ValueError, match="output_heads"):
+            chunk_fwd._output_heads(1, 4)
+    monkeypatch.setenv("GDN_BWD_DVL_HEADS", "-2")
+    with pytest.raises(ValueError, match="GDN_BWD_DVL_HEADS"):
+        chunk_bwd._dv_local_heads(1, 4)
+    monkeypatch.setenv("GDN_BWD_DVL_HEADS", "3")
+    assert chunk_bwd._dv_local_heads(1, 4) == 2 and chunk_bwd._dv_local_heads(2, 12) == 3
+
+
 def test_solve_correlated_keys_and_rnorm():
     """The blocked inverse (16x16 substitution + (I - M)(I + M^2) Dinv merge) against float64 on nearly identical
     keys with beta ~ 1 and no decay: entries of the block powers grow, the inverse must still be right. Also the

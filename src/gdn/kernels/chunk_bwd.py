@@ -612,7 +612,11 @@ def _dv_local_heads(H: int, HV: int) -> int:
     """Value heads per dv_local program (env GDN_BWD_DVL_HEADS: 1 (default) or 0 = every value head of a q/k head;
     else the largest divisor of HV / H not above it): they share q, k and the raw K Q^T."""
     r = HV // H
-    want = _cfg("GDN_BWD_DVL_HEADS", 1) or r
+    want = _cfg("GDN_BWD_DVL_HEADS", 1)
+    if want < 0:
+        raise ValueError(f"GDN_BWD_DVL_HEADS: expected 0 (all value heads of a q/k head) or a positive count, got "
+                         f"{want}")
+    want = want or r
     return max(d for d in range(1, r + 1) if r % d == 0 and d <= want)
 
 

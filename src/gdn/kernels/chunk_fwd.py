@@ -1196,7 +1196,11 @@ def _output_heads(H: int, HV: int) -> int:
     """Value heads per output program (CONFIG["output_heads"]: 1, or 0 = every value head of a q/k head; else the
     largest divisor of HV / H not above it)."""
     r = HV // H
-    want = int(CONFIG["output_heads"]) or r
+    want = int(CONFIG["output_heads"])
+    if want < 0:
+        raise ValueError(f'CONFIG["output_heads"]: expected 0 (all value heads of a q/k head) or a positive count, '
+                         f"got {want}")
+    want = want or r
     return max(d for d in range(1, r + 1) if r % d == 0 and d <= want)
 
 
