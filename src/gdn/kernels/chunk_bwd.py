@@ -82,7 +82,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import l2_rnorm
+from .common import l2_rnorm, value_heads_per_program
 
 L2_EPS = 1e-6
 
@@ -609,15 +609,9 @@ def _dh_config(V: int, n_prog: int, device):
 
 
 def _dv_local_heads(H: int, HV: int) -> int:
-    """Value heads per dv_local program (env GDN_BWD_DVL_HEADS: 1 (default) or 0 = every value head of a q/k head;
-    else the largest divisor of HV / H not above it): they share q, k and the raw K Q^T."""
-    r = HV // H
-    want = _cfg("GDN_BWD_DVL_HEADS", 1)
-    if want < 0:
-        raise ValueError(f"GDN_BWD_DVL_HEADS: expected 0 (all value heads of a q/k head) or a positive count, got "
-                         f"{want}")
-    want = want or r
-    return max(d for d in range(1, r + 1) if r % d == 0 and d <= want)
+    """Value heads per dv_local program (env GDN_BWD_DVL_HEADS: 1 (default) or 0 = every value head of a q/k head):
+    they share q, k and the raw K Q^T."""
+    return value_heads_per_program(H, HV, _cfg("GDN_BWD_DVL_HEADS", 1), "GDN_BWD_DVL_HEADS")
 
 
 def _v_tile(V: int) -> int:

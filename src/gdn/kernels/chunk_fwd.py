@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import l2_rnorm
+from .common import l2_rnorm, value_heads_per_program
 
 CHUNK_SIZE = 64
 L2_EPS = 1e-6
@@ -1193,15 +1193,8 @@ def chunk_state_output(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: 
 
 
 def _output_heads(H: int, HV: int) -> int:
-    """Value heads per output program (CONFIG["output_heads"]: 1, or 0 = every value head of a q/k head; else the
-    largest divisor of HV / H not above it)."""
-    r = HV // H
-    want = int(CONFIG["output_heads"])
-    if want < 0:
-        raise ValueError(f'CONFIG["output_heads"]: expected 0 (all value heads of a q/k head) or a positive count, '
-                         f"got {want}")
-    want = want or r
-    return max(d for d in range(1, r + 1) if r % d == 0 and d <= want)
+    """Value heads per output program: CONFIG["output_heads"] (1, or 0 = every value head of a q/k head)."""
+    return value_heads_per_program(H, HV, int(CONFIG["output_heads"]), 'CONFIG["output_heads"]')
 
 
 def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch.Tensor, g_cum: torch.Tensor,

@@ -25,6 +25,17 @@ def next_pow2(n: int) -> int:
     return triton.next_power_of_2(int(n))
 
 
+def value_heads_per_program(H: int, HV: int, want: int, setting: str) -> int:
+    """How many of a q/k head's HV / H value heads one program handles (they share the q/k tiles): ``want`` 0 = all
+    of them, else the largest divisor of HV / H not above ``want``. A negative ``want`` raises ValueError naming
+    ``setting``."""
+    if want < 0:
+        raise ValueError(f"{setting}: expected 0 (all value heads of a q/k head) or a positive count, got {want}")
+    r = HV // H
+    want = want or r
+    return max(d for d in range(1, r + 1) if r % d == 0 and d <= want)
+
+
 @triton.jit
 def l2_rnorm_kernel(x, r, n_rows, T, s_b, s_t, s_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr,
                     BR: tl.constexpr):
