@@ -11,33 +11,15 @@ it must move (``gdn.benchmark.cases.cost``), i.e. the same floor as ``gdn bench 
 import argparse
 import json
 import os
-import statistics
 import sys
 from collections import defaultdict
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 
-
-def graph_ms(fn, reps=20):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+from sweep_decode import graph_time_ms  # noqa: E402  (CUDA-graph replay time per call, median of events)
 
 
 def main():
@@ -69,7 +51,7 @@ def main():
                 layer(x, cache=batch)
             step()
             torch.cuda.synchronize()
-            ms = graph_ms(step)
+            ms = graph_time_ms([step])
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(a.iters):
                     step()
