@@ -129,3 +129,38 @@ def chunk_long_segmented(device):
         out += [Result("chunk", f"long T={T} {name} o", rel_err(o, ro), TOL[torch.bfloat16]),
                 Result("chunk", f"long T={T} {name} state", rel_err(ht, rht), TOL[torch.bfloat16])]
     return out
+
+
+@register
+def chunk_sm90_vs_portable(device):
+    """Hopper only: the Gluon state pass (kernels/chunk_sm90.py) against the portable Triton pass on the same
+    inputs (h per chunk, v_new, final state; pools, k_last, varlen, segments), and the whole op against float64."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return []
+    from ..kernels.chunk_fwd import chunk_gated_delta_rule_fwd, config_override
+
+    s = _shapes(device)
+    out = []
+    cu = _cu(s["lens"], device)
+    N, T = len(s["lens"]), int(cu[-1])
+    for layout, seg in (("v_last", -1), ("k_last", -1), ("v_last", 4)):
+        x = make_inputs(1, T, s["H"], s["HV"], s["K"], s["V"], dtype=torch.bfloat16, device=device)
+        shape = (N + 2, s["HV"], s["K"], s["V"]) if layout == "v_last" else (N + 2, s["HV"], s["V"], s["K"])
+        pools, res = [], []
+        pool0 = torch.randn(shape, device=device) * 0.5
+        idx = torch.randperm(N + 2, device=device)[:N].to(torch.int32)
+        idx[2] = -1
+        for sm90 in (False, True):
+            pool = pool0.clone()
+            with config_override(state_sm90=sm90, segment_chunks=seg):
+                o, _, aux = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, s["K"] ** -0.5, pool, True, cu,
+                                                       use_qk_l2norm_in_kernel=True, state_layout=layout,
+                                                       state_indices=idx, final_state=pool)
+            pools.append(pool)
+            res.append((o, aux["h"], aux["v_new"]))
+        name = f"sm90 vs portable {layout} seg={seg}"
+        out += [Result("chunk", name + " h", rel_err(res[1][1], res[0][1]), 4e-3),
+                Result("chunk", name + " v_new", rel_err(res[1][2], res[0][2]), 4e-3),
+                Result("chunk", name + " o", rel_err(res[1][0], res[0][0]), 4e-3),
+                Result("chunk", name + " final state", rel_err(pools[1], pools[0]), 4e-3)]
+    return out

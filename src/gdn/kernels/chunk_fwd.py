@@ -48,6 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import chunk_sm90
 from .common import l2_rnorm, value_heads_per_program
 
 CHUNK_SIZE = 64
@@ -74,6 +75,9 @@ _DEFAULT_CONFIG = {
     "merge_BK": 64, "merge_BV": 64, "merge_warps": 4, "merge_precision": "tf32x3",
     # storage dtype of the per-chunk states h in the forward: "input" (bf16 for bf16 inputs) or "fp32"
     "h_dtype": "input",
+    # sm_90: run the sequential state pass as the Gluon kernel of kernels/chunk_sm90.py where it supports the launch
+    # (TMA ring of `state_sm90_stages` chunks, asynchronous wgmma, V tiles of `state_sm90_BV`)
+    "state_sm90": True, "state_sm90_BV": 64, "state_sm90_stages": 2,
     # forward state pass: v_new from Ainv/v/beta ("ainv", no w/u round trip) or from stored w/u ("wu")
     "state_mode": "ainv",
     # h in the v_new product as two half-precision parts (accuracy; costs one more tensor-core product per chunk)
@@ -1115,6 +1119,18 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
             rq_arg = l2_rnorm(fz["q"])
 
     def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, fuse=False, **flags):
+        if (CONFIG["state_sm90"] and n_extra == 0 and from_ainv and Vd == V
+                and chunk_sm90.supported(k, v, aa, h_out, vn_out, dt, K, V, flags["INIT"], fuse, split_h)):
+            # Hopper: the Gluon form of this pass (TMA ring, asynchronous wgmma; kernels/chunk_sm90.py)
+            bv9 = int(CONFIG["state_sm90_BV"])
+            chunk_sm90.launch_state_pass(
+                (triton.cdiv(V, bv9), HV, S), k, v, bb, aa, g_cum, rk_arg, h_out, vn_out, h0, ht_,
+                h0_idx if h0_idx is not None else ci.chunk_offsets, ht_idx if ht_idx is not None else ci.chunk_offsets,
+                plan.segments, cu, ci.chunk_offsets, T, P0, P1, sb, s0, s1, H=H, HV=HV, K=K, V=V,
+                use_l2=l2, is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
+                H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
+                BV=bv9, stages=int(CONFIG["state_sm90_stages"]))
+            return
         fq, fo = (fz["q"], fz["o"]) if fuse else (k, dummy)
         fidx = fz.get("o_idx") if fuse else None
         _launch(_chunk_state_kernel, (triton.cdiv(Vd, bv) + n_extra, HV, S),

@@ -1,0 +1,292 @@
+"""Hopper (sm_90) form of the chunked forward's sequential state pass, written in Gluon.
+
+Same math, inputs and outputs as the portable ``_chunk_state_kernel`` in its default mode (``v_new`` from Ainv,
+no fused output), for one program per (V tile, value head, segment)::
+
+    for every chunk c of the segment (64 tokens, rows past the sequence's end masked):
+      1. h_out[c] = bf16(h)                                   (TMA store from shared memory)
+      2. r        = beta * (v - diag(exp(g_cum) r_k) (k @ h))   [64, BV]   k @ h: async wgmma, k and h in smem
+      3. v_new    = Ainv @ r                                   [64, BV]   async wgmma, Ainv in smem
+      4. h        = exp(g_last) h + k^T @ (diag(exp(g_last - g_cum) r_k) v_new)   [K, BV] fp32 accumulator
+
+What Triton's ``tl`` cannot express and this form does (bench/NOTES.md, "Hopper state pass"):
+
+* k, v and Ainv of chunk c + NS - 1 are copied by TMA into an NS-deep shared-memory ring while chunk c computes
+  (one mbarrier per stage), so no chunk step waits for global memory; the per-row gates (g_cum, beta, r_k, g_last)
+  of chunk c + 1 are loaded into registers one step ahead;
+* the products are asynchronous warpgroup MMAs whose waits sit right before the first use of their result (the
+  v tile is read from shared memory while k @ h runs);
+* the per-chunk state leaves through a TMA store that overlaps the next products.
+
+Layouts: k, v are read as 2-D views [B*T, H*K] / [B*T, HV*V] (token rows, strided rows allowed, last dim contiguous);
+Ainv [B*T, HV*64]; h_out [NT*HV*K, V] (v_last); v_new [B, T, HV, V] contiguous; initial / final states through
+their 4 strides (v_last or k_last, pool rows through an index). Rows of a chunk past the sequence's end are read
+(they belong to the next sequence or are TMA zero fill) and masked out of every result.
+
+The Gluon API moves between Triton releases: everything version-dependent is imported through ``_gluon_api``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from . import _gluon_api as G
+
+CHUNK = 64
+
+if G.AVAILABLE:
+    gluon, gl = G.gluon, G.gl
+    tma, mbarrier = G.tma, G.mbarrier
+    fence_async_shared, warpgroup_mma, warpgroup_mma_wait = G.fence_async_shared, G.warpgroup_mma, G.warpgroup_mma_wait
+
+    @gluon.jit
+    def _state_pass_sm90_kernel(
+        k_desc, v_desc, a_desc, h_desc,
+        beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx, segments, cu_seqlens, chunk_offsets,
+        T, P0, P1, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+        USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
+        H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
+        STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, NS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        C: gl.constexpr = 64
+        i_v = gl.program_id(0)
+        i_hv = gl.program_id(1)
+        i_s = gl.program_id(2)
+        i_h = i_hv // (HV // H)
+        n = gl.load(segments + 3 * i_s)
+        c_beg = gl.load(segments + 3 * i_s + 1)
+        c_end = gl.load(segments + 3 * i_s + 2)
+        if IS_VARLEN:
+            i_b = 0
+            bos = gl.load(cu_seqlens + n)
+            eos = gl.load(cu_seqlens + n + 1)
+        else:
+            i_b = n
+            bos = 0
+            eos = T
+        tok0 = i_b * T                      # first token row of this batch row in the [B*T, ...] views
+        choff = gl.load(chunk_offsets + n)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, BV, 16])
+        rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+        cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+        dt: gl.constexpr = k_desc.dtype
+
+        # shared memory: the NS-deep input ring, the state and the two chained operands
+        k_s = gl.allocate_shared_memory(dt, [NS, C, K], k_desc.layout)
+        v_s = gl.allocate_shared_memory(dt, [NS, C, BV], v_desc.layout)
+        a_s = gl.allocate_shared_memory(dt, [NS, C, C], a_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        h_s = gl.allocate_shared_memory(dt, [K, BV], h_desc.layout)
+        op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], dt)
+        r_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
+        d_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
+        for j in gl.static_range(NS):
+            mbarrier.init(bars.index(j), count=1)
+
+        ok = gl.arange(0, K, layout=rows_l)
+        ov = i_v * BV + gl.arange(0, BV, layout=cols_l)
+        to = gl.arange(0, C, layout=rows_l)
+        m_kv = (ok[:, None] < K) & (ov[None, :] < V)
+
+        # ---- initial state (fp32 registers, the wgmma accumulator layout)
+        if INIT == 1:
+            if H0_BY_SEG:
+                row0 = i_s.to(gl.int64)
+            else:
+                row0 = n.to(gl.int64)
+            ok0 = row0 >= 0
+            if H0_INDEXED:
+                row0 = gl.load(h0_idx + row0).to(gl.int64)
+                ok0 = (row0 >= 0) & (row0 < P0)
+            p0 = h0 + row0 * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v
+            h = gl.load(p0, mask=m_kv & ok0, other=0.0).to(gl.float32)
+        else:
+            h = gl.zeros([K, BV], gl.float32, layout=mma)
+
+        nbytes: gl.constexpr = (C * K + C * BV + C * C) * (dt.primitive_bitwidth // 8)
+        col_k = i_h * K
+        col_v = i_hv * V + i_v * BV
+        col_a = i_hv * C
+        # ---- prologue: chunks c_beg .. c_beg + NS - 2 into the ring
+        for j in gl.static_range(NS - 1):
+            cj = c_beg + j
+            pj = cj < c_end
+            rj = tok0 + bos + cj * C
+            mbarrier.expect(bars.index(j), nbytes, pred=pj)
+            tma.async_copy_global_to_shared(k_desc, [rj, col_k], bars.index(j), k_s.index(j), pred=pj)
+            tma.async_copy_global_to_shared(v_desc, [rj, col_v], bars.index(j), v_s.index(j), pred=pj)
+            tma.async_copy_global_to_shared(a_desc, [rj, col_a], bars.index(j), a_s.index(j), pred=pj)
+
+        # per-row gates of the first chunk
+        rows = bos + c_beg * C + to
+        m_n = rows < eos
+        trow = (tok0 + rows) * HV + i_hv
+        g_n = gl.load(gcum + trow, mask=m_n, other=0.0)
+        b_n = gl.load(beta + i_b * s_bb + rows * s_bt + i_hv * s_bh, mask=m_n, other=0.0).to(gl.float32)
+        if USE_L2:
+            rk_n = gl.load(rk_in + (tok0 + rows) * H + i_h, mask=m_n, other=0.0)
+        else:
+            rk_n = gl.where(m_n, 1.0, 0.0)
+        last = gl.minimum(bos + c_beg * C + C, eos) - 1
+        gl_n = gl.load(gcum + (tok0 + last) * HV + i_hv, mask=c_beg < c_end, other=0.0)
+
+        zero = gl.zeros([C, BV], gl.float32, layout=mma)
+        for c in range(c_beg, c_end):
+            it = c - c_beg
+            s = it % NS
+            phase = (it // NS) & 1
+            # ---- refill the stage consumed one step ago with chunk c + NS - 1
+            cf = c + NS - 1
+            sf = (it + NS - 1) % NS
+            pf = cf < c_end
+            rf = tok0 + bos + cf * C
+            mbarrier.expect(bars.index(sf), nbytes, pred=pf)
+            tma.async_copy_global_to_shared(k_desc, [rf, col_k], bars.index(sf), k_s.index(sf), pred=pf)
+            tma.async_copy_global_to_shared(v_desc, [rf, col_v], bars.index(sf), v_s.index(sf), pred=pf)
+            tma.async_copy_global_to_shared(a_desc, [rf, col_a], bars.index(sf), a_s.index(sf), pred=pf)
+            # ---- this chunk's gates (loaded one step ahead), then the next chunk's
+            rows = bos + c * C + to
+            m = rows < eos
+            b_g = g_n
+            b_beta = b_n
+            rk = rk_n
+            g_last = gl_n
+            rows_n = rows + C
+            m_n = rows_n < eos
+            trow_n = (tok0 + rows_n) * HV + i_hv
+            g_n = gl.load(gcum + trow_n, mask=m_n, other=0.0)
+            b_n = gl.load(beta + i_b * s_bb + rows_n * s_bt + i_hv * s_bh, mask=m_n, other=0.0).to(gl.float32)
+            if USE_L2:
+                rk_n = gl.load(rk_in + (tok0 + rows_n) * H + i_h, mask=m_n, other=0.0)
+            else:
+                rk_n = gl.where(m_n, 1.0, 0.0)
+            last_n = gl.minimum(bos + c * C + 2 * C, eos) - 1
+            gl_n = gl.load(gcum + (tok0 + last_n) * HV + i_hv, mask=c + 1 < c_end, other=0.0)
+
+            # ---- 1. the chunk's start state: bf16 copy in shared memory (operand of k @ h, and h_out[c])
+            if STORE_H:
+                tma.store_wait(0)
+            h_s.store(h.to(dt))
+            fence_async_shared()
+            gl.thread_barrier()
+            if STORE_H:
+                tma.async_copy_shared_to_global(h_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], h_s)
+            mbarrier.wait(bars.index(s), phase)
+            # ---- 2. r = beta * (v - diag(exp(g) r_k) (k @ h))
+            kh = warpgroup_mma(k_s.index(s), h_s, zero, use_acc=False, is_async=True)
+            vt = v_s.index(s).load(mma).to(gl.float32)
+            fk = gl.exp(b_g) * rk
+            dec = gl.where(m, gl.exp(g_last - b_g) * rk, 0.0)
+            kh = warpgroup_mma_wait(0, deps=[kh])
+            r = gl.where(m[:, None], (vt - kh * fk[:, None]) * b_beta[:, None], 0.0)
+            r_s.store(r.to(dt))
+            fence_async_shared()
+            gl.thread_barrier()
+            # ---- 3. v_new = Ainv @ r
+            vn = warpgroup_mma(a_s.index(s), r_s, zero, use_acc=False, is_async=True)
+            vn = warpgroup_mma_wait(0, deps=[vn])
+            if STORE_VNEW:
+                pv = vnew + ((tok0 + rows) * HV + i_hv)[:, None] * V + ov[None, :]
+                gl.store(pv, vn.to(vnew.dtype.element_ty), mask=m[:, None] & (ov[None, :] < V))
+            d = gl.where(m[:, None], vn * dec[:, None], 0.0)
+            d_s.store(d.to(dt))
+            fence_async_shared()
+            gl.thread_barrier()
+            # ---- 4. h = exp(g_last) h + k^T d
+            h = warpgroup_mma(k_s.index(s).permute((1, 0)), d_s, h * gl.exp(g_last), is_async=True)
+            h = warpgroup_mma_wait(0, deps=[h])
+
+        if STORE_H:
+            tma.store_wait(0)
+        for j in gl.static_range(NS):
+            mbarrier.invalidate(bars.index(j))
+        if STORE_FINAL:
+            if HT_BY_SEG:
+                row1 = i_s.to(gl.int64)
+            else:
+                row1 = n.to(gl.int64)
+            ok1 = row1 >= 0
+            if HT_INDEXED:
+                row1 = gl.load(ht_idx + row1).to(gl.int64)
+                ok1 = (row1 >= 0) & (row1 < P1)
+            p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
+            gl.store(p1, h.to(ht.dtype.element_ty), mask=m_kv & ok1)
+
+
+_GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def _rows2d(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x [B, T, heads, D] (last dim contiguous, heads dense) as a 2-D [B*T, heads*D] strided view, or None."""
+    B, T, Hh, D = x.shape
+    if x.stride(3) != 1 or x.stride(2) != D:
+        return None
+    if B > 1 and x.stride(0) != T * x.stride(1):
+        return None
+    row = x.stride(1)
+    if (row * x.element_size()) % 16 != 0 or not _aligned(x):
+        return None
+    return x.as_strided((B * T, Hh * D), (row, 1))
+
+
+def supported(k, v, ainv, h_out, vnew, dt, K: int, V: int, init: int, fuse: bool, split_h: bool) -> bool:
+    """Whether the sm_90 pass can run this launch (else the portable kernel does)."""
+    if not G.AVAILABLE or fuse or split_h or init not in (0, 1) or not k.is_cuda:
+        return False
+    if torch.cuda.get_device_capability(k.device) != (9, 0):
+        return False
+    if dt not in _GL_DT or k.dtype != dt or v.dtype != dt or ainv is None or ainv.dtype != dt:
+        return False
+    if K not in (64, 128) or V % 64 != 0:
+        return False
+    if h_out is not None and (h_out.dtype != dt or not h_out.is_contiguous()):
+        return False
+    if vnew is not None and not vnew.is_contiguous():
+        return False
+    if not ainv.is_contiguous():
+        return False
+    return _rows2d(k) is not None and _rows2d(v) is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(shape, dt_name):
+    return gl.NVMMASharedLayout.get_default_for(list(shape), getattr(gl, dt_name))
+
+
+def _desc(x2d: torch.Tensor, block, dt_name):
+    return G.TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), list(block), _smem_layout(tuple(block), dt_name))
+
+
+def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0_idx, ht_idx, segments,
+                      cu_seqlens, chunk_offsets, T, P0, P1, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen,
+                      INIT, H0_BY_SEG, H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV=64, stages=2, num_warps=4):
+    """Launch the sm_90 state pass over ``grid`` = (V // BV, HV, segments); arguments as the portable kernel's
+    (``supported`` must have said yes). Tensors that a mode does not use may be any placeholder tensor."""
+    dn = _GL_DT[k.dtype]
+    B = k.shape[0]
+    k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
+    v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
+    a_desc = _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
+    if h_out is not None:
+        h_desc = _desc(h_out.view(-1, V), (K, BV), dn)
+    else:   # a descriptor is still needed for the operand layout; nothing is stored through it
+        dummy = torch.empty(K, BV, device=k.device, dtype=k.dtype)
+        h_desc = _desc(dummy, (K, BV), dn)
+    _state_pass_sm90_kernel[grid](
+        k_desc, v_desc, a_desc, h_desc,
+        beta, g_cum, rk, vnew if vnew is not None else g_cum, h0 if h0 is not None else g_cum,
+        ht if ht is not None else g_cum, h0_idx, ht_idx, segments, cu_seqlens, chunk_offsets,
+        T, P0, P1, *s_beta, *s0, *s1,
+        H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
+        H0_INDEXED=H0_INDEXED, STORE_H=h_out is not None, STORE_VNEW=vnew is not None, STORE_FINAL=ht is not None,
+        HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, NS=stages, num_warps=num_warps)
