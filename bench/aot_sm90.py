@@ -39,7 +39,7 @@ def compile_gluon(kernel, args: dict, constexprs: dict, num_warps=4):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
-def state_pass(K=128, V=128, BV=64, NS=2, dt=torch.bfloat16):
+def state_pass(K=128, V=128, BV=64, NS=2, dt=torch.bfloat16, from_ainv=True):
     from gdn.kernels import chunk_sm90 as m
     B, T, H, HV = 1, 256, 2, 4
     k = torch.empty(B, T, H, K, dtype=dt)
@@ -50,28 +50,28 @@ def state_pass(K=128, V=128, BV=64, NS=2, dt=torch.bfloat16):
     f32 = torch.empty(4, dtype=torch.float32)
     i32 = torch.empty(4, dtype=torch.int32)
     args = dict(k_desc=m._desc(m._rows2d(k), (64, K), dn), v_desc=m._desc(m._rows2d(v), (64, BV), dn),
-                a_desc=m._desc(ainv.reshape(B * T, HV * 64), (64, 64), dn), h_desc=m._desc(h.view(-1, V), (K, BV), dn),
+                a_desc=(m._desc(ainv.reshape(B * T, HV * 64), (64, 64), dn) if from_ainv else
+                        m._desc(k.new_empty(B * T, HV * K), (64, K), dn)), h_desc=m._desc(h.view(-1, V), (K, BV), dn),
                 beta=torch.empty(4, dtype=dt), gcum=f32, rk_in=f32, vnew=torch.empty(4, dtype=dt), h0=f32, ht=f32,
                 h0_idx=i32, ht_idx=i32, segments=i32, cu_seqlens=i32, chunk_offsets=i32, T=T, P0=3, P1=3,
                 s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3, s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
     cx = dict(H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
-              STORE_H=True, STORE_VNEW=True, STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, NS=NS, num_warps=4)
+              STORE_H=True, STORE_VNEW=True, STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, NS=NS,
+              FROM_AINV=from_ainv, num_warps=4)
     return compile_gluon(m._state_pass_sm90_kernel, args, cx)
 
 
 def report(c, name):
-    md = c.metadata
-    print(f"{name}: regs {md.n_regs if hasattr(md, 'n_regs') else '?'} spills {getattr(md, 'n_spills', '?')} "
-          f"shared {md.shared} B")
     try:
         sys.path.insert(0, os.path.dirname(__file__))
-        from aot_regs import sass_sequence
-        print(sass_sequence(c, loop_only=True))
+        from aot_regs import _cuobjdump, sass_sequence
+        res = [ln.strip() for ln in _cuobjdump(c, "-res-usage").splitlines() if "REG:" in ln]
+        print(f"{name}: {res[0].split(' TEXTURE')[0] if res else '?'}, {c.metadata.shared} B shared")
+        print("   ", sass_sequence(c, loop_only=True))
     except Exception as e:  # noqa: BLE001
         print("(no SASS sequence:", e, ")")
 
 
 if __name__ == "__main__":
-    for ns in (2, 3):
-        c = state_pass(NS=ns)
-        report(c, f"state pass sm90 NS={ns}")
+    for bv, ns, fa in ((64, 2, True), (64, 3, True), (32, 2, True), (16, 2, True), (64, 2, False), (32, 2, False)):
+        report(state_pass(BV=bv, NS=ns, from_ainv=fa), f"state pass sm90 BV={bv} NS={ns} {'ainv' if fa else 'wu'}")

@@ -106,3 +106,42 @@ def test_decode_torch_compile_inductor():
     ref = step(x.q, x.k, x.v, x.a, x.b, p1, idx)
     out = torch.compile(step, fullgraph=True)(x.q, x.k, x.v, x.a, x.b, p2, idx)
     assert rel_err(out, ref) < 1e-5 and torch.equal(p1, p2)
+
+
+def test_varlen_prefill_cuda_graph_replay():
+    """A varlen prefill (pool in place, k_last) with cu_seqlens_cpu reads nothing back from the device, so it can be
+    captured in a CUDA graph: replaying on new inputs equals the eager call."""
+    from gdn.ops import chunk_gated_delta_rule
+
+    lens = [1, 63, 64, 65, 300]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    T, N, HV, K, V = int(cu[-1]), len(lens), 8, 128, 128
+    cu_d = cu.cuda()
+    idx = torch.tensor([3, 0, -1, 5, 1], dtype=torch.int32, device="cuda")
+    x = make_inputs(1, T, 4, HV, K, V, dtype=torch.bfloat16, device="cuda")
+    pool = torch.randn(N + 2, HV, V, K, device="cuda") * 0.5
+    static = [t.clone() for t in (x.q, x.k, x.v, x.g, x.beta)]
+    pool_g = pool.clone()
+
+    def call(p):
+        return chunk_gated_delta_rule(*static, initial_state=p, output_final_state=True, cu_seqlens=cu_d,
+                                      use_qk_l2norm_in_kernel=True, state_layout="k_last", ssm_state_indices=idx,
+                                      cu_seqlens_cpu=cu)[0]
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        call(pool_g.clone())                 # warm-up: compiles, fills the chunk-table cache
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g = call(pool_g)
+    y = make_inputs(1, T, 4, HV, K, V, dtype=torch.bfloat16, device="cuda")
+    for dst, src in zip(static, (y.q, y.k, y.v, y.g, y.beta)):
+        dst.copy_(src)
+    pool_g.copy_(pool)
+    graph.replay()
+    pool_e = pool.clone()
+    o_e = call(pool_e)
+    assert torch.equal(o_g, o_e)
+    assert torch.equal(pool_g, pool_e)

@@ -503,3 +503,48 @@ def test_solve_correlated_keys_and_rnorm():
             A = (beta[0, s:e, hv, None].double() * (kk @ kk.T)).tril(-1)
             inv = torch.linalg.inv(torch.eye(e - s, dtype=torch.float64) + A)
             assert rel_err(ainv[0, s:e, hv, :e - s], inv) < 1e-4, (hv, s)
+
+
+def test_cu_seqlens_cpu_reads_nothing_back(monkeypatch):
+    """With cu_seqlens_cpu the op gives the same result and gdn's code never copies cu_seqlens to the host (the
+    device-to-host read that makes a varlen call wait for the GPU); bad host copies raise ValueError/TypeError."""
+    import traceback
+
+    from gdn.ops import chunk_gated_delta_rule
+    from gdn.testing import make_inputs, rel_err
+
+    lens = [1, 63, 0, 66, 64]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
+    T = int(cu[-1])
+    x = make_inputs(1, T, 1, 2, 32, 16, dtype=torch.float32)
+    h0 = torch.randn(len(lens), 2, 32, 16)
+    ref, ref_ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                         cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+    from gdn.kernels import chunk_fwd
+
+    chunk_fwd._TABLE_CACHE.clear()
+    reads = []
+    orig_cpu, orig_tolist = torch.Tensor.cpu, torch.Tensor.tolist
+
+    def spy(orig):
+        def f(self, *a, **kw):
+            if self.data_ptr() == cu.data_ptr() and any("/gdn/" in fr.filename for fr in traceback.extract_stack()):
+                reads.append("".join(traceback.format_stack(limit=6)))
+            return orig(self, *a, **kw)
+        return f
+
+    monkeypatch.setattr(torch.Tensor, "cpu", spy(orig_cpu))
+    monkeypatch.setattr(torch.Tensor, "tolist", spy(orig_tolist))
+    for host in (cu.clone(), [int(c) for c in cu]):
+        o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=host)
+        assert rel_err(o, ref) < 1e-6 and rel_err(ht, ref_ht) < 1e-6
+    assert not reads, reads[0]
+    monkeypatch.undo()
+    for bad, err in (([0, 1], ValueError), (cu.float(), TypeError), ("0,1", TypeError)):
+        with pytest.raises(err, match="cu_seqlens_cpu"):
+            chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, cu_seqlens=cu, cu_seqlens_cpu=bad)
+    bad = [int(c) for c in cu]
+    bad[2] = bad[1] - 1
+    with pytest.raises(ValueError, match="non-decreasing"):
+        chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, cu_seqlens=cu, cu_seqlens_cpu=bad)

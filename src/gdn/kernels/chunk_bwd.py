@@ -794,7 +794,7 @@ def _side_stream(device):
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                                use_qk_l2norm_in_kernel, do, dht, *, g_cum=None, ainv=None, w=None, u=None,
-                               h=None, v_new=None, segment_chunks=None, rq=None, rk=None):
+                               h=None, v_new=None, segment_chunks=None, rq=None, rk=None, chunk_index=None):
     """Gradients of ``chunk_gated_delta_rule`` (v_last states). Returns ``(dq, dk, dv, dg, dbeta, dh0)``.
 
     q, k [B, T, H, K] (strided, last dim contiguous); v [B, T, HV, V]; g, beta [B, T, HV]; initial_state None or
@@ -807,6 +807,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     Intermediates saved by the forward can be passed in (``g_cum``, ``ainv``, ``w``, ``u``, ``h``, ``v_new``, ``rq``,
     ``rk``, as returned by gdn.kernels.chunk_fwd) to skip their recomputation.
     ``segment_chunks``: reverse-pass segmentation (None heuristic, -1 off, n chunks per segment).
+    ``chunk_index``: the forward's chunk tables (saves reading cu_seqlens on the host again).
     """
     from . import chunk_fwd as F
 
@@ -814,7 +815,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     C = int(chunk_size)
     l2 = bool(use_qk_l2norm_in_kernel)
     dev = q.device
-    ci = F.prepare_chunk_indices(cu_seqlens, T, C, B, device=dev)
+    ci = chunk_index if chunk_index is not None else F.prepare_chunk_indices(cu_seqlens, T, C, B, device=dev)
     need_h = h is None or v_new is None
     if g_cum is None or ainv is None:
         g_cum, ainv, w, u = F.chunk_fwd_prepare(k, v, g, beta, cu_seqlens, C, l2, store_ainv=True, store_wu=True,

@@ -197,11 +197,14 @@ def _cached(key, build):
 
 
 def prepare_chunk_indices(cu_seqlens: Optional[torch.Tensor], T: int, chunk_size: int = CHUNK_SIZE, B: int = 1,
-                          device=None) -> ChunkIndex:
-    """Chunk tables for ``cu_seqlens`` (varlen, B == 1) or B sequences of length T. Reads cu_seqlens on the host."""
+                          device=None, cu_seqlens_cpu=None) -> ChunkIndex:
+    """Chunk tables for ``cu_seqlens`` (varlen, B == 1) or B sequences of length T. Reads cu_seqlens on the host
+    (a device-to-host copy that waits for the GPU) unless ``cu_seqlens_cpu`` (its values as a CPU tensor or a
+    sequence of ints) is given."""
     if cu_seqlens is not None:
         device = cu_seqlens.device
-        cu = tuple(int(x) for x in cu_seqlens.detach().cpu().tolist())
+        src = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.detach().cpu()
+        cu = tuple(int(x) for x in (src.tolist() if isinstance(src, torch.Tensor) else src))
         key = ("varlen", cu, chunk_size, str(device))
     else:
         device = torch.device(device) if device is not None else torch.device("cpu")
@@ -1119,17 +1122,18 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
             rq_arg = l2_rnorm(fz["q"])
 
     def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, fuse=False, **flags):
-        if (CONFIG["state_sm90"] and n_extra == 0 and from_ainv and Vd == V
-                and chunk_sm90.supported(k, v, aa, h_out, vn_out, dt, K, V, flags["INIT"], fuse, split_h)):
+        xs, mats = (v, aa) if from_ainv else (u, w)
+        if (CONFIG["state_sm90"] and n_extra == 0 and xs is not None and Vd == V
+                and chunk_sm90.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], fuse, split_h)):
             # Hopper: the Gluon form of this pass (TMA ring, asynchronous wgmma; kernels/chunk_sm90.py)
             bv9 = int(CONFIG["state_sm90_BV"])
             chunk_sm90.launch_state_pass(
-                (triton.cdiv(V, bv9), HV, S), k, v, bb, aa, g_cum, rk_arg, h_out, vn_out, h0, ht_,
+                (triton.cdiv(V, bv9), HV, S), k, xs, bb, mats, g_cum, rk_arg, h_out, vn_out, h0, ht_,
                 h0_idx if h0_idx is not None else ci.chunk_offsets, ht_idx if ht_idx is not None else ci.chunk_offsets,
                 plan.segments, cu, ci.chunk_offsets, T, P0, P1, sb, s0, s1, H=H, HV=HV, K=K, V=V,
                 use_l2=l2, is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
-                BV=bv9, stages=int(CONFIG["state_sm90_stages"]))
+                from_ainv=from_ainv, BV=bv9, stages=int(CONFIG["state_sm90_stages"]))
             return
         fq, fo = (fz["q"], fz["o"]) if fuse else (k, dummy)
         fidx = fz.get("o_idx") if fuse else None
@@ -1258,15 +1262,16 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
                                cu_seqlens=None, chunk_size=CHUNK_SIZE, use_qk_l2norm_in_kernel=False, *,
                                state_layout="v_last", state_indices=None, final_state=None,
-                               segment_chunks=None, h_dtype=None, store_ainv=False):
+                               segment_chunks=None, h_dtype=None, store_ainv=False, cu_seqlens_cpu=None):
     """The whole forward. Returns ``(o [B, T, HV, V] in v's dtype, final state or None, aux dict)``.
 
     ``initial_state``/``final_state``/``state_indices`` as in :func:`chunk_state_pass`; aux holds the intermediates
     (g_cum, Ainv when ``store_ainv`` (tensor-core dtype, fp32 with CONFIG["ainv_dtype"] = "fp32"), h, v_new,
-    chunk_index, rq / rk (the L2 row scalings, fp32 [B, T, H], None without the L2 norm))."""
+    chunk_index, rq / rk (the L2 row scalings, fp32 [B, T, H], None without the L2 norm)).
+    ``cu_seqlens_cpu``: host copy of cu_seqlens (no device-to-host read; see :func:`prepare_chunk_indices`)."""
     _check_chunk_size(chunk_size)
     B, T, H, K = q.shape
-    ci = prepare_chunk_indices(cu_seqlens, T, chunk_size, B, device=q.device)
+    ci = prepare_chunk_indices(cu_seqlens, T, chunk_size, B, device=q.device, cu_seqlens_cpu=cu_seqlens_cpu)
     dt = _dot_dtype(k, v)
     from_ainv = CONFIG["state_mode"] == "ainv"
     a_dtype = torch.float32 if CONFIG["ainv_dtype"] == "fp32" else dt

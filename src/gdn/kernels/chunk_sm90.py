@@ -50,7 +50,7 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, NS: gl.constexpr,
-        num_warps: gl.constexpr,
+        FROM_AINV: gl.constexpr, num_warps: gl.constexpr,
     ):
         C: gl.constexpr = 64
         i_v = gl.program_id(0)
@@ -80,7 +80,8 @@ if G.AVAILABLE:
         # shared memory: the NS-deep input ring, the state and the two chained operands
         k_s = gl.allocate_shared_memory(dt, [NS, C, K], k_desc.layout)
         v_s = gl.allocate_shared_memory(dt, [NS, C, BV], v_desc.layout)
-        a_s = gl.allocate_shared_memory(dt, [NS, C, C], a_desc.layout)
+        AC: gl.constexpr = a_desc.block_type.shape[1]          # Ainv: 64 columns; w: K
+        a_s = gl.allocate_shared_memory(dt, [NS, C, AC], a_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         h_s = gl.allocate_shared_memory(dt, [K, BV], h_desc.layout)
         op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], dt)
@@ -109,10 +110,10 @@ if G.AVAILABLE:
         else:
             h = gl.zeros([K, BV], gl.float32, layout=mma)
 
-        nbytes: gl.constexpr = (C * K + C * BV + C * C) * (dt.primitive_bitwidth // 8)
+        nbytes: gl.constexpr = (C * K + C * BV + C * AC) * (dt.primitive_bitwidth // 8)
         col_k = i_h * K
         col_v = i_hv * V + i_v * BV
-        col_a = i_hv * C
+        col_a = i_hv * AC
         # ---- prologue: chunks c_beg .. c_beg + NS - 2 into the ring
         for j in gl.static_range(NS - 1):
             cj = c_beg + j
@@ -178,19 +179,26 @@ if G.AVAILABLE:
             if STORE_H:
                 tma.async_copy_shared_to_global(h_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], h_s)
             mbarrier.wait(bars.index(s), phase)
-            # ---- 2. r = beta * (v - diag(exp(g) r_k) (k @ h))
-            kh = warpgroup_mma(k_s.index(s), h_s, zero, use_acc=False, is_async=True)
-            vt = v_s.index(s).load(mma).to(gl.float32)
-            fk = gl.exp(b_g) * rk
             dec = gl.where(m, gl.exp(g_last - b_g) * rk, 0.0)
-            kh = warpgroup_mma_wait(0, deps=[kh])
-            r = gl.where(m[:, None], (vt - kh * fk[:, None]) * b_beta[:, None], 0.0)
-            r_s.store(r.to(dt))
-            fence_async_shared()
-            gl.thread_barrier()
-            # ---- 3. v_new = Ainv @ r
-            vn = warpgroup_mma(a_s.index(s), r_s, zero, use_acc=False, is_async=True)
-            vn = warpgroup_mma_wait(0, deps=[vn])
+            if FROM_AINV:
+                # ---- 2. r = beta * (v - diag(exp(g) r_k) (k @ h))
+                kh = warpgroup_mma(k_s.index(s), h_s, zero, use_acc=False, is_async=True)
+                vt = v_s.index(s).load(mma).to(gl.float32)
+                fk = gl.exp(b_g) * rk
+                kh = warpgroup_mma_wait(0, deps=[kh])
+                r = gl.where(m[:, None], (vt - kh * fk[:, None]) * b_beta[:, None], 0.0)
+                r_s.store(r.to(dt))
+                fence_async_shared()
+                gl.thread_barrier()
+                # ---- 3. v_new = Ainv @ r
+                vn = warpgroup_mma(a_s.index(s), r_s, zero, use_acc=False, is_async=True)
+                vn = warpgroup_mma_wait(0, deps=[vn])
+            else:
+                # ---- 2-3. v_new = u - w @ h (w, u from the prepare kernel, in the ring's a / v slots)
+                wh = warpgroup_mma(a_s.index(s), h_s, zero, use_acc=False, is_async=True)
+                ut = v_s.index(s).load(mma).to(gl.float32)
+                wh = warpgroup_mma_wait(0, deps=[wh])
+                vn = ut - wh
             if STORE_VNEW:
                 pv = vnew + ((tok0 + rows) * HV + i_hv)[:, None] * V + ov[None, :]
                 gl.store(pv, vn.to(vnew.dtype.element_ty), mask=m[:, None] & (ov[None, :] < V))
@@ -240,7 +248,8 @@ def _rows2d(x: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def supported(k, v, ainv, h_out, vnew, dt, K: int, V: int, init: int, fuse: bool, split_h: bool) -> bool:
-    """Whether the sm_90 pass can run this launch (else the portable kernel does)."""
+    """Whether the sm_90 pass can run this launch (else the portable kernel does). ``v``/``ainv``: v [B, T, HV, V]
+    and Ainv [B, T, HV, 64], or u [B, T, HV, V] and w [B, T, HV, K] (w/u mode)."""
     if not G.AVAILABLE or fuse or split_h or init not in (0, 1) or not k.is_cuda:
         return False
     if torch.cuda.get_device_capability(k.device) != (9, 0):
@@ -253,7 +262,7 @@ def supported(k, v, ainv, h_out, vnew, dt, K: int, V: int, init: int, fuse: bool
         return False
     if vnew is not None and not vnew.is_contiguous():
         return False
-    if not ainv.is_contiguous():
+    if not ainv.is_contiguous() or ainv.shape[-1] not in (64, K):
         return False
     return _rows2d(k) is not None and _rows2d(v) is not None
 
@@ -269,14 +278,17 @@ def _desc(x2d: torch.Tensor, block, dt_name):
 
 def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0_idx, ht_idx, segments,
                       cu_seqlens, chunk_offsets, T, P0, P1, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen,
-                      INIT, H0_BY_SEG, H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV=64, stages=2, num_warps=4):
+                      INIT, H0_BY_SEG, H0_INDEXED, HT_BY_SEG, HT_INDEXED, from_ainv=True, BV=64, stages=2,
+                      num_warps=4):
     """Launch the sm_90 state pass over ``grid`` = (V // BV, HV, segments); arguments as the portable kernel's
-    (``supported`` must have said yes). Tensors that a mode does not use may be any placeholder tensor."""
+    (``supported`` must have said yes). ``from_ainv=False``: ``v`` is u and ``ainv`` is w (``v_new = u - w h``).
+    Tensors that a mode does not use may be any placeholder tensor."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
-    a_desc = _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
+    AC = ainv.shape[-1]
+    a_desc = _desc(ainv.reshape(B * T, HV * AC), (CHUNK, AC), dn)
     if h_out is not None:
         h_desc = _desc(h_out.view(-1, V), (K, BV), dn)
     else:   # a descriptor is still needed for the operand layout; nothing is stored through it
@@ -289,4 +301,4 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
         T, P0, P1, *s_beta, *s0, *s1,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
         H0_INDEXED=H0_INDEXED, STORE_H=h_out is not None, STORE_VNEW=vnew is not None, STORE_FINAL=ht is not None,
-        HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, NS=stages, num_warps=num_warps)
+        HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, NS=stages, FROM_AINV=from_ainv, num_warps=num_warps)

@@ -98,17 +98,45 @@ def host_checks_allowed(device: torch.device) -> bool:
     return not (_compiling() or _capturing(device))  # order matters: dynamo cannot trace the capture query
 
 
-def cu_seqlens(cu: Optional[torch.Tensor], B: int, T: int, device: torch.device) -> int:
-    """Validate ``cu_seqlens`` and return N (number of sequences)."""
+def cu_seqlens_host(name: str, host, cu: Optional[torch.Tensor]):
+    """A host copy of ``cu_seqlens`` (CPU integer tensor or a sequence of ints) as a tuple of ints, or None."""
+    if host is None:
+        return None
+    if cu is None:
+        raise ValueError(f"{name}: given without cu_seqlens")
+    if isinstance(host, torch.Tensor):
+        if host.device.type != "cpu" or host.dtype not in INDEX_DTYPES or host.dim() != 1:
+            raise TypeError(f"{name}: expected a 1-D int32/int64 CPU tensor or a sequence of ints, got "
+                            f"{host.dtype} on {host.device} with {host.dim()} dims")
+        vals = tuple(int(x) for x in host.tolist())
+    else:
+        try:
+            if isinstance(host, (str, bytes)):
+                raise TypeError
+            vals = tuple(int(x) for x in host)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name}: expected a 1-D int32/int64 CPU tensor or a sequence of ints, got "
+                            f"{type(host).__name__}") from None
+    if len(vals) != cu.numel():
+        raise ValueError(f"{name}: {len(vals)} values, but cu_seqlens has {cu.numel()}")
+    return vals
+
+
+def cu_seqlens(cu, B: int, T: int, device: torch.device) -> int:
+    """Validate ``cu_seqlens`` and return N (number of sequences). ``cu`` may be a pair (device tensor, host tuple):
+    the value checks then read the host copy (no device-to-host transfer)."""
     if cu is None:
         return B
+    host = None
+    if isinstance(cu, tuple):
+        cu, host = cu
     tensor("cu_seqlens", cu, ndim=1, dtypes=INDEX_DTYPES, device=device, shape_doc="[N + 1]")
     if B != 1:
         raise ValueError(f"cu_seqlens: varlen batches need B == 1 (all sequences packed along T), got B = {B}")
     if cu.numel() < 1:
         raise ValueError("cu_seqlens: expected at least one element [N + 1], got an empty tensor")
-    if host_checks_allowed(device):
-        c = cu.detach().to("cpu", torch.int64)
+    if host is not None or host_checks_allowed(device):
+        c = torch.tensor(host, dtype=torch.int64) if host is not None else cu.detach().to("cpu", torch.int64)
         if int(c[0]) != 0:
             raise ValueError(f"cu_seqlens: must start at 0, got {int(c[0])}")
         if c.numel() > 1 and bool((c[1:] < c[:-1]).any()):

@@ -113,7 +113,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-                chunk_size):
+                chunk_size, cu_seqlens_cpu=None):
         from gdn.kernels.chunk_fwd import CONFIG, chunk_gated_delta_rule_fwd
 
         # Ainv (tensor-core dtype, [B, T, HV, 64]), the chunk-local gate cumsum and the L2 row scalings are kept for
@@ -121,12 +121,13 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         # CONFIG["bwd_save_states"] the chunk states h and v_new are kept too (memory for time)
         o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                 cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, state_layout="v_last",
-                                                store_ainv=True)
+                                                store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu)
         keep = bool(CONFIG["bwd_save_states"]) and aux["h"] is not None
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, aux["g_cum"], aux["ainv"], aux["rq"],
                               aux["rk"], aux["h"] if keep else None, aux["v_new"] if keep else None)
         ctx.scale = scale
         ctx.chunk_size = chunk_size
+        ctx.chunk_index = aux["chunk_index"]
         ctx.l2 = use_qk_l2norm_in_kernel
         ctx.set_materialize_grads(False)
         return o, ht
@@ -143,11 +144,13 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
             do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, cu_seqlens,
                                                                 ctx.chunk_size, ctx.l2, do, dht, g_cum=g_cum,
-                                                                ainv=ainv, rq=rq, rk=rk, h=h, v_new=v_new)
-        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None
+                                                                ainv=ainv, rq=rq, rk=rk, h=h, v_new=v_new,
+                                                                chunk_index=ctx.chunk_index)
+        return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None
 
 
-def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size):
+def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size,
+                 cu_host=None):
     if beta is None:
         beta = torch.ones((), dtype=torch.float32, device=q.device).expand(g.shape)
     if torch.compiler.is_compiling():  # opaque torch.library ops (gdn/ops/_library.py): no graph break
@@ -172,7 +175,7 @@ def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
                 h0 = h0.transpose(-1, -2)
             h0 = h0.contiguous()
         o, ht = ChunkGatedDeltaRuleFunction.apply(q, k, v, g, beta, scale, h0, bool(output_final_state), cu_seqlens,
-                                                  bool(l2), chunk_size)
+                                                  bool(l2), chunk_size, cu_host)
         if ht is not None and layout == "k_last":
             ht = ht.transpose(-1, -2).contiguous()
         return o, ht
@@ -181,17 +184,17 @@ def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
 
     if idx is None:
         o, ht, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                              chunk_size, l2, state_layout=layout)
+                                              chunk_size, l2, state_layout=layout, cu_seqlens_cpu=cu_host)
         return o, ht
     pool = initial_state
     o, _, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, pool, False, cu_seqlens, chunk_size, l2,
-                                         state_layout=layout, state_indices=idx, final_state=pool)
+                                         state_layout=layout, state_indices=idx, final_state=pool, cu_seqlens_cpu=cu_host)
     return o, (pool if output_final_state else None)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, state_layout="v_last",
-                           ssm_state_indices=None, chunk_size=64):
+                           ssm_state_indices=None, chunk_size=64, cu_seqlens_cpu=None):
     """Chunked gated delta rule (prefill / training).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (strided views with a contiguous last dim are read in place); g, beta
@@ -201,15 +204,21 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     padding: zeros out, nothing read or written), and the pool itself is returned as final state when
     ``output_final_state``. Returns ``(o [B, T, HV, V] in v's dtype, final_state fp32 or None)``.
     Differentiable w.r.t. q, k, v, g, beta and ``initial_state`` (not a pool).
+    ``cu_seqlens_cpu``: the values of ``cu_seqlens`` on the host (CPU int tensor or sequence of ints; as fla's and
+    vLLM's precomputed chunk metadata): then nothing reads ``cu_seqlens`` back from the device, so the call does not
+    wait for the GPU and can be captured in a CUDA graph. It must equal ``cu_seqlens`` (checked against it only on
+    the host copy: start 0, non-decreasing, end T, same length).
     """
-    scale, layout, N = _validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+    cu_host = V_.cu_seqlens_host("cu_seqlens_cpu", cu_seqlens_cpu, cu_seqlens)
+    scale, layout, N = _validate(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                 cu_seqlens if cu_host is None else (cu_seqlens, cu_host),
                                  use_qk_l2norm_in_kernel, state_layout, ssm_state_indices, chunk_size)
     if not use_triton(q.device):
         return _torch_path(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
                            bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size)
     _validate_triton_limits(q, v)
     return _triton_path(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
-                        bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size)
+                        bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size, cu_host)
 
 
 __all__ = ["chunk_gated_delta_rule", "ChunkGatedDeltaRuleFunction"]
