@@ -1,10 +1,12 @@
 """gdn check: chunk_gated_delta_rule (varlen, GVA, both layouts, pools, strided q/k/v, segmented long sequences)
 against the float64 chunked reference."""
+import dataclasses
+
 import torch
 
 from ..ops import chunk_gated_delta_rule
 from ..reference import chunk_gated_delta_rule_ref, sequence_spans
-from ..testing import make_inputs, rel_err, to64
+from ..testing import GDNInputs, make_inputs, rel_err, to64
 from . import Result, register
 
 TOL = {torch.float32: 2e-3, torch.bfloat16: 1.5e-2}
@@ -163,4 +165,40 @@ def chunk_sm90_vs_portable(device):
                 Result("chunk", name + " v_new", rel_err(res[1][2], res[0][2]), 4e-3),
                 Result("chunk", name + " o", rel_err(res[1][0], res[0][0]), 4e-3),
                 Result("chunk", name + " final state", rel_err(pools[1], pools[0]), 4e-3)]
+    return out
+
+
+@register
+def chunk_sm90_target_shapes(device):
+    """Hopper only: the five prefill target shapes (bf16, K = V = 128, L2 norm, final state, varlen B = 1) on the
+    default path (Gluon state pass) against the portable path on the whole sequence, and against float64 on a prefix
+    of every sequence (causal: the first tokens' outputs do not depend on the rest)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return []
+    from ..kernels.chunk_fwd import config_override
+
+    out = []
+    prefix = 256
+    for N, L, H, HV in ((1, 8192, 16, 32), (1, 32768, 16, 32), (4, 4096, 16, 32), (1, 65536, 2, 8),
+                        (1, 32768, 64, 64)):
+        T = N * L
+        bf = dict(device=device, dtype=torch.bfloat16)
+        x = GDNInputs(torch.randn(1, T, H, 128, **bf), torch.randn(1, T, H, 128, **bf), torch.randn(1, T, HV, 128, **bf),
+                      -torch.rand(1, T, HV, device=device) * 0.5, torch.rand(1, T, HV, **bf), None, None, None, None)
+        cu = torch.arange(0, N * L + 1, L, device=device, dtype=torch.int32)
+        res = []
+        for sm90 in (True, False):
+            with config_override(state_sm90=sm90):
+                res.append(chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, output_final_state=True, cu_seqlens=cu,
+                                                  use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=cu.cpu()))
+        name = f"sm90 {N}x{L} {H}/{HV}"
+        out += [Result("chunk", name + " o vs portable", rel_err(res[0][0], res[1][0]), 1e-2),
+                Result("chunk", name + " state vs portable", rel_err(res[0][1], res[1][1]), 1e-2)]
+        errs = []
+        for n in range(N):
+            sl = slice(n * L, n * L + prefix)
+            ro, _ = _ref(dataclasses.replace(x, q=x.q[:, sl], k=x.k[:, sl], v=x.v[:, sl], g=x.g[:, sl],
+                                             beta=x.beta[:, sl]))
+            errs.append(rel_err(res[0][0][:, sl], ro))
+        out.append(Result("chunk", name + f" o[:{prefix}] per sequence vs float64", max(errs), TOL[torch.bfloat16]))
     return out
