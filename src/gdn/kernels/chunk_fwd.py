@@ -77,7 +77,11 @@ _DEFAULT_CONFIG = {
     "h_dtype": "input",
     # sm_90: run the sequential state pass as the Gluon kernel of kernels/chunk_sm90.py where it supports the launch
     # (TMA ring of `state_sm90_stages` chunks, asynchronous wgmma, V tiles of `state_sm90_BV`)
-    "state_sm90": True, "state_sm90_BV": 64, "state_sm90_stages": 2,
+    # state_sm90_BV: 0 = the narrowest tile (32, then 64) whose grid fits in one wave of CTAs (one per SM: a chunk
+    # step of this pass takes 1.1-1.4 us alone on an SM and slows down when SMs are shared; H200); grids larger
+    # than a wave at 64 run the portable pass, which keeps several CTAs per SM busy
+    # (bench/results/sm90_state_h200.json). A step costs ~`state_sm90_step_cost` portable steps (segment planning).
+    "state_sm90": True, "state_sm90_BV": 0, "state_sm90_stages": 2, "state_sm90_step_cost": 0.6,
     # forward state pass: v_new from Ainv/v/beta ("ainv", no w/u round trip) or from stored w/u ("wu")
     "state_mode": "ainv",
     # h in the v_new product as two half-precision parts (accuracy; costs one more tensor-core product per chunk)
@@ -275,14 +279,15 @@ def _num_sms(device) -> int:
 
 
 def choose_segment_len(ci: ChunkIndex, HV: int, V: int, BV: int, device, force: Optional[int] = None,
-                       K: Optional[int] = None) -> Optional[int]:
+                       K: Optional[int] = None, plain_cost: Optional[float] = None) -> Optional[int]:
     """Chunks per segment for the segmented state pass, or None for the plain sequential pass.
 
     Cost model (in "chunk steps" of one state-pass program): the plain pass takes ``waves(N*HV*nV) * max_chunks``;
     segments of L chunks take ``waves(S*HV*(nV+nK)) * L`` (local states + transition matrices, one launch) +
     ``waves(S*HV*nV) * L`` (the pass from the true starts) + the merge, with ``waves(p) = ceil(p / slots)`` and
     ``slots = SMs * CONFIG["state_ctas_per_sm"]``. Segmenting triples the work, so it only pays when the plain
-    pass leaves most SMs idle (few sequences x heads, many chunks).
+    pass leaves most SMs idle (few sequences x heads, many chunks). ``plain_cost``: the plain pass's cost in those
+    units when another kernel runs it (the sm_90 pass).
     """
     seg = CONFIG["segment_chunks"] if force is None else force
     if seg is None or seg < 0:
@@ -301,7 +306,7 @@ def choose_segment_len(ci: ChunkIndex, HV: int, V: int, BV: int, device, force: 
     def waves(p):
         return -(-p // slots)
 
-    base = waves(ci.N * HV * nv) * maxc
+    base = waves(ci.N * HV * nv) * maxc if plain_cost is None else plain_cost
     best, best_cost = None, None
     L = max(1, int(CONFIG["segment_min_len"]))
     while L * 2 <= maxc:
@@ -1096,7 +1101,24 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         return h, v_new, ht
     KP = _pow2(K)
     BV = _state_bv(K, V, fused=_fuse is not None)
-    seg = choose_segment_len(ci, HV, V, BV, dev, force=segment_chunks, K=K)
+    xs, mats = (v, ainv) if from_ainv else (u, w)
+    sm90 = (bool(CONFIG["state_sm90"]) and xs is not None and _fuse is None and not split_h
+            and chunk_sm90.supported(k, xs, mats, None, None, dt, K, V, 1, False, False))
+
+    def sm90_tile(programs_per_column_tile: int) -> int:
+        """V tile of the sm_90 pass for a grid of ``programs_per_column_tile`` x (V / tile) CTAs, 0 = portable."""
+        if not sm90:
+            return 0
+        if int(CONFIG["state_sm90_BV"]) > 0:
+            return int(CONFIG["state_sm90_BV"])
+        for bv9 in (32, 64):
+            if V % bv9 == 0 and programs_per_column_tile * (V // bv9) <= _num_sms(dev):
+                return bv9
+        return 0
+
+    plain9 = sm90_tile(ci.N * HV)
+    seg = choose_segment_len(ci, HV, V, BV, dev, force=segment_chunks, K=K,
+                             plain_cost=(max(ci.nchunks) * float(CONFIG["state_sm90_step_cost"]) if plain9 else None))
     plan = plan_segments(ci, seg, dev)
     dummy = g_cum
     idx = state_indices
@@ -1122,13 +1144,11 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
             rq_arg = l2_rnorm(fz["q"])
 
     def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, fuse=False, **flags):
-        xs, mats = (v, aa) if from_ainv else (u, w)
-        if (CONFIG["state_sm90"] and n_extra == 0 and xs is not None and Vd == V
-                and chunk_sm90.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], fuse, split_h)):
+        bv9 = sm90_tile(S * HV) if (n_extra == 0 and Vd == V) else 0
+        if bv9 and chunk_sm90.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], fuse, split_h):
             # Hopper: the Gluon form of this pass (TMA ring, asynchronous wgmma; kernels/chunk_sm90.py)
-            bv9 = int(CONFIG["state_sm90_BV"])
             chunk_sm90.launch_state_pass(
-                (triton.cdiv(V, bv9), HV, S), k, xs, bb, mats, g_cum, rk_arg, h_out, vn_out, h0, ht_,
+                (triton.cdiv(V, bv9), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, h_out, vn_out, h0, ht_,
                 h0_idx if h0_idx is not None else ci.chunk_offsets, ht_idx if ht_idx is not None else ci.chunk_offsets,
                 plan.segments, cu, ci.chunk_offsets, T, P0, P1, sb, s0, s1, H=H, HV=HV, K=K, V=V,
                 use_l2=l2, is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
