@@ -113,7 +113,7 @@ def chunk_strided_qkv(device):
 @register
 def chunk_long_segmented(device):
     """One long sequence: the segmented state pass (forced, and the heuristic on GPUs) and the plain pass."""
-    from ..kernels.chunk_fwd import config_override
+    from ..kernels.tuning import override
 
     s = _shapes(device)
     H, HV = s["long_heads"]
@@ -123,7 +123,7 @@ def chunk_long_segmented(device):
     ro, rht = _ref(x, h0)
     out = []
     for name, seg in (("heuristic", 0), ("forced segments", 8 if device.type == "cuda" else 2), ("unsegmented", -1)):
-        with config_override(segment_chunks=seg):
+        with override("chunk_fwd", segment_chunks=seg):
             o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
                                            use_qk_l2norm_in_kernel=True)
         out += [Result("chunk", f"long T={T} {name} o", rel_err(o, ro), TOL[torch.bfloat16]),
