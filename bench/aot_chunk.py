@@ -26,22 +26,22 @@ T, H, HV, K, V, BV = 32768, 16, 32, 128, 128, 64
 
 
 def state_pass(from_ainv: bool, stages: int):
-    from gdn.kernels import chunk_fwd as cf
+    from gdn.kernels.chunk import state as cf
 
     args = dict(k=BF, v=BF, beta=BF, ainv=BF, w=BF, u=BF, gcum=F32, rk_in=F32, h_out=BF, vnew=BF, h0=F32, ht=F32,
-                h0_idx=I32, ht_idx=I32, segments=I32, chunk_offsets=I32, cu_seqlens=I32, q=BF, rq_in=F32, o=BF, o_idx=I32,
-                T=T, P0=1, P1=1, NV=2, PO=0, scale=1.0, s_kb=T * H * K, s_kt=H * K, s_kh=K, s_vb=T * HV * V,
+                h0_idx=I32, ht_idx=I32, segments=I32, chunk_offsets=I32, cu_seqlens=I32,
+                T=T, P0=1, P1=1, NV=2, s_kb=T * H * K, s_kt=H * K, s_kh=K, s_vb=T * HV * V,
                 s_vt=HV * V, s_vh=V, s_bb=T * HV, s_bt=HV, s_bh=1, s0n=HV * K * V, s0h=K * V, s0k=V, s0v=1,
-                s1n=HV * K * V, s1h=K * V, s1k=V, s1v=1, s_qb=0, s_qt=0, s_qh=0, s_ob=0, s_ot=0, s_oh=0)
+                s1n=HV * K * V, s1h=K * V, s1k=V, s1v=1)
     ce = dict(H=H, HV=HV, K=K, V=V, KP=K, BV=BV, USE_L2=True, IS_VARLEN=False, FROM_AINV=from_ainv, INIT=1,
               H0_BY_SEG=False, H0_INDEXED=False, HAS_U=True, STORE_H=True, STORE_VNEW=True, STORE_FINAL=True,
-              HT_BY_SEG=False, HT_INDEXED=False, FUSE_OUT=False, O_INDEXED=False, DT=tl.bfloat16, PREC="tf32x3",
+              HT_BY_SEG=False, HT_INDEXED=False, DT=tl.bfloat16, PREC="tf32x3",
               SPLIT_H=False)
     return aot_compile(cf._chunk_state_kernel, args, ce, num_warps=4, num_stages=stages)
 
 
 def reverse_pass(stages: int):
-    from gdn.kernels import chunk_bwd as cb
+    from gdn.kernels.chunk.backward import reverse as cb
 
     args = dict(q=BF, k=BF, w=BF, gcum=F32, do=BF, rq=F32, rk=F32, x0=F32, xend=F32, gs=BF, dvn=BF, segments=I32,
                 chunk_offsets=I32, cu_seqlens=None, scale=1.0, T=T, s_qb=T * H * K, s_qt=H * K, s_qh=K,

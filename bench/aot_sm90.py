@@ -40,7 +40,7 @@ def compile_gluon(kernel, args: dict, constexprs: dict, num_warps=4):
 
 
 def state_pass(K=128, V=128, BV=64, NS=2, dt=torch.bfloat16, from_ainv=True):
-    from gdn.kernels import chunk_sm90 as m
+    from gdn.kernels.chunk import hopper as m
     B, T, H, HV = 1, 256, 2, 4
     k = torch.empty(B, T, H, K, dtype=dt)
     v = torch.empty(B, T, HV, V, dtype=dt)

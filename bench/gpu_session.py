@@ -24,17 +24,17 @@ itself), or ``bench/sweeps.json`` when present::
 
     {"bench": ["--ops", "chunk_fwd", "--quick", "--no-peers"],          # default gdn-bench arguments of variants
      "variants": [
-        {"name": "bv64", "env": {"GDN_CHUNK_BV": "64"}},                # gdn bench under these env vars
-        {"name": "rec-bv32-w4", "env": {"GDN_RECURRENT_CFG": "32:4:1"},   # multi-token kernel: BV:warps:stages
+        {"name": "fwd-stages3", "env": {"GDN_TUNE": "chunk_fwd.state_stages=3"}},   # gdn bench under GDN_TUNE
+        {"name": "rec-bv32-w4", "env": {"GDN_TUNE": "recurrent.BV=32,recurrent.warps=4,recurrent.stages=1"},
          "bench": ["--ops", "recurrent", "--quick"]},
-        {"name": "dec", "cmd": ["python3", "bench/sweep_decode.py", "--out", "{out}/sweep_decode.json"],
+        {"name": "prof", "cmd": ["python3", "-m", "gdn.cli", "profile", "--out", "{out}/profile.json"],
          "timeout_s": 120}                     # any command, run from the repo root; {out} and $OUT: its own folder
      ]}
 
 Each bench variant writes ``$OUT/sweep/<gpu>[-quick]-<name>.json``; the summary compares gdn's time per case across
 the main run and the variants. To continue a benchmark record from an earlier session, carry its JSON in the tree and
-pass ``--bench-args="--resume-from bench/results/<gpu>.json"``. Env vars are the kernels' business: a kernel engineer exposes a tunable through one and
-lists the values here.
+pass ``--bench-args="--resume-from bench/results/<gpu>.json"``. Tunables are the fields of the tuning tables
+(``gdn.kernels.tuning``), overridden through ``GDN_TUNE`` (``gdn.config``).
 """
 from __future__ import annotations
 

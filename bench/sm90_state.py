@@ -14,7 +14,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from gdn.kernels import chunk_fwd as cf  # noqa: E402
+from gdn.kernels import chunk as cf  # noqa: E402
+from gdn.kernels.common import l2_rnorm  # noqa: E402
+from gdn.kernels.tuning import override  # noqa: E402
 from gdn.ops import chunk_gated_delta_rule  # noqa: E402
 
 SHAPES = [(1, 8192, 16, 32), (1, 32768, 16, 32), (4, 4096, 16, 32), (1, 65536, 2, 8), (1, 32768, 64, 64)]
@@ -33,6 +35,7 @@ def inputs(N, L, H, HV, K=128, V=128, dt=torch.bfloat16):
 
 VARIANTS = {
     "portable": dict(state_sm90=False),
+    "sm90-auto": dict(state_sm90=True),
     "sm90": dict(state_sm90=True, state_sm90_BV=64, state_sm90_stages=2),
     "sm90-ns3": dict(state_sm90=True, state_sm90_BV=64, state_sm90_stages=3),
     "sm90-bv32": dict(state_sm90=True, state_sm90_BV=32, state_sm90_stages=2),
@@ -57,7 +60,7 @@ def main():
         q, k, v, g, beta, cu = inputs(N, L, H, HV)
         cu_cpu = cu.cpu()
         ci = cf.prepare_chunk_indices(cu, q.shape[1], 64)
-        rk = cf.l2_rnorm(k)
+        rk = l2_rnorm(k)
         g_cum, ainv, w, u = cf.chunk_fwd_prepare(k, v, g, beta, cu, 64, True, store_ainv=True, store_wu=True,
                                                  chunk_index=ci, ainv_dtype=torch.bfloat16, rk=torch.empty_like(rk))
         row = dict(shape=f"{N}x{L} {H}/{HV}", steps=-(-L // 64))
@@ -65,7 +68,7 @@ def main():
         for name in names:
             kw = VARIANTS[name]
             wu = kw.get("state_mode") == "wu"
-            with cf.config_override(segment_chunks=-1, **kw):
+            with override("chunk_fwd", segment_chunks=-1, **kw):
                 def state():
                     if wu:
                         return cf.chunk_state_pass(k, w, u, g_cum, None, True, cu, 64, True, h_dtype=torch.bfloat16,
@@ -74,7 +77,7 @@ def main():
                                                ainv=ainv, h_dtype=torch.bfloat16, chunk_index=ci, rk=rk)
                 h, vn, ht = state()
                 ms = bench(state)
-            with cf.config_override(**kw):
+            with override("chunk_fwd", **kw):
                 def fwd():
                     return chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu,
                                                   use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=cu_cpu)

@@ -51,6 +51,12 @@ def _cmd_bench(args) -> int:
     return bench_main(args)
 
 
+def _cmd_profile(args) -> int:
+    from gdn.benchmark.profile import main as profile_main
+
+    return profile_main(args)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="gdn", description="Gated DeltaNet kernels")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -66,6 +72,11 @@ def main(argv=None) -> int:
     if add_arguments is not None:
         add_arguments(b)
     b.set_defaults(fn=_cmd_bench)
+    from gdn.benchmark.profile import add_arguments as profile_arguments
+
+    pr = sub.add_parser("profile", help="per-kernel CUDA times of the chunked op (forward, or forward + backward)")
+    profile_arguments(pr)
+    pr.set_defaults(fn=_cmd_profile)
     args = p.parse_args(argv)
     return int(args.fn(args) or 0)
 

@@ -1,10 +1,10 @@
-"""Backward of the chunked gated delta rule (gdn.kernels.chunk_bwd) against float64 autograd of the reference.
+"""Backward of the chunked gated delta rule (gdn.kernels.chunk.backward) against float64 autograd of the reference.
 
 Three layers:
-* the algebra of the backward (module docstring of chunk_bwd) in plain float64 torch vs autograd (no kernels);
+* the algebra of the backward (module docstring of gdn.kernels.chunk.backward) in plain float64 torch vs autograd (no kernels);
 * the kernels fed with float64/fp32/bf16 forward intermediates computed here in torch (any chunk size, fp64
   gradcheck, bf16 numerics) -- independent of the forward kernels;
-* the full ``chunk_gated_delta_rule_bwd`` (forward intermediates recomputed by gdn.kernels.chunk_fwd, chunk 64) and,
+* the full ``chunk_gated_delta_rule_bwd`` (forward intermediates recomputed by gdn.kernels.chunk.forward, chunk 64) and,
   once it is wired, the public op through autograd.
 """
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _ref_grads(q, k, v, g, beta, scale, h0, cu, l2, do, dht, C=64):
 
 
 def _torch_intermediates(q, k, v, g, beta, h0, cu, C, l2, dtype=None):
-    """Forward intermediates in float64 torch, in the layouts of gdn.kernels.chunk_fwd:
+    """Forward intermediates in float64 torch, in the layouts of gdn.kernels.chunk.forward:
     g_cum [B,T,HV], Ainv [B,T,HV,C], w [B,T,HV,K], h [NT,HV,K,V] (chunk start states), v_new [B,T,HV,V]."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -89,11 +89,11 @@ def _torch_intermediates(q, k, v, g, beta, h0, cu, C, l2, dtype=None):
 
 def _kernel_bwd(q, k, v, g, beta, scale, h0, cu, C, l2, do, dht, inter=None, segment_chunks=None):
     """The two backward kernels fed with torch intermediates (any chunk size, fp64 capable)."""
-    from gdn.kernels.chunk_bwd import chunk_bwd_dh, chunk_bwd_main, chunk_tables
+    from gdn.kernels.chunk import chunk_bwd_dh, chunk_bwd_main, prepare_chunk_indices
 
     it = inter or _torch_intermediates(q, k, v, g, beta, h0, cu, C, l2)
     B, T = q.shape[:2]
-    tables = chunk_tables(B, T, cu, C, q.device)
+    tables = prepare_chunk_indices(cu, T, C, B, device=q.device)
     gs, dvn, dh0 = chunk_bwd_dh(q, k, it["w"], it["g_cum"], do, dht, scale, cu, C, l2, h0 is not None,
                                 chunk_index=tables, segment_chunks=segment_chunks)
     dq, dk, dv, db, dg = chunk_bwd_main(q, k, v, it["g_cum"], beta, it["ainv"], it["v_new"], dvn, do, it["h"], gs,
@@ -102,7 +102,7 @@ def _kernel_bwd(q, k, v, g, beta, scale, h0, cu, C, l2, do, dht, inter=None, seg
 
 
 def _full_bwd(q, k, v, g, beta, scale, h0, cu, l2, do, dht, segment_chunks=None):
-    from gdn.kernels.chunk_bwd import chunk_gated_delta_rule_bwd
+    from gdn.kernels.chunk.backward import chunk_gated_delta_rule_bwd
 
     return chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, h0, cu, 64, l2, do, dht,
                                       segment_chunks=segment_chunks)
@@ -228,9 +228,7 @@ def test_kernels_v_tiles(monkeypatch, bv, dvl_heads):
     """V = 80 and K = 24 (not powers of two): the parallel kernels loop over V tiles (the last one partial), the
     reverse pass runs several V blocks; every masked edge is exercised. dvl_heads 0: dv_local for both value heads of
     the q/k head in one program."""
-    monkeypatch.setenv("GDN_BWD_BV", bv)
-    monkeypatch.setenv("GDN_BWD_DH_BV", bv)
-    monkeypatch.setenv("GDN_BWD_DVL_HEADS", dvl_heads)
+    monkeypatch.setenv("GDN_TUNE", f"chunk_bwd.BV={bv},chunk_bwd.dh_BV={bv},chunk_bwd.dvl_heads={dvl_heads}")
     x, h0, do, dht = _inputs(1, 37, 1, 2, 24, 80)
     scale = 24 ** -0.5
     mine = _kernel_bwd(x.q, x.k, x.v, x.g, x.beta, scale, h0, None, 16, True, do, dht)
@@ -310,7 +308,7 @@ def test_kernels_segmented_reverse_pass(dht, varlen):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# 3. the full backward (forward intermediates from gdn.kernels.chunk_fwd, chunk 64)
+# 3. the full backward (forward intermediates from gdn.kernels.chunk.forward, chunk 64)
 # ----------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("H,HV,l2,h0,dht", [(2, 2, True, True, True), (2, 4, False, True, False),
                                             (1, 4, True, False, True), (2, 4, True, False, False)])
@@ -329,7 +327,7 @@ def test_full_bwd_fp32(H, HV, l2, h0, dht):
 def test_full_bwd_varlen_ragged(monkeypatch, dvl_heads):
     """Sequence lengths 0, 1, chunk - 1, chunk + 1 and 2 chunks + 7 in one varlen batch, GVA 2 (dv_local per value
     head, and per q/k head)."""
-    monkeypatch.setenv("GDN_BWD_DVL_HEADS", dvl_heads)
+    monkeypatch.setenv("GDN_TUNE", f"chunk_bwd.dvl_heads={dvl_heads}")
     lens = [0, 1, 63, 65, 135]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     T = int(cu[-1])
@@ -360,12 +358,11 @@ def test_full_bwd_strided_qkv():
 # ----------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("layout,save_states", [("v_last", False), ("k_last", False), ("v_last", True)])
 def test_public_op_autograd(monkeypatch, layout, save_states):
-    """Gradients through the public op; with CONFIG["bwd_save_states"] the backward takes the forward's h and
-    v_new instead of recomputing them."""
-    from gdn.kernels import chunk_fwd
+    """Gradients through the public op; with the tuning field chunk_fwd.bwd_save_states the backward takes the
+    forward's h and v_new instead of recomputing them."""
     from gdn.ops import chunk_gated_delta_rule
 
-    monkeypatch.setitem(chunk_fwd.CONFIG, "bwd_save_states", save_states)
+    monkeypatch.setenv("GDN_TUNE", f"chunk_fwd.bwd_save_states={save_states}")
 
     B, T, H, HV, K, V = 2, 70, 1, 2, 16, 32
     x, h0, do, dht = _inputs(B, T, H, HV, K, V)

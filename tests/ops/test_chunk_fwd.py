@@ -20,9 +20,9 @@ C = 64
 def _poison_and_triton(monkeypatch):
     """Every buffer the kernels' launch functions allocate starts as NaN, and the Triton path is used."""
     monkeypatch.setenv("GDN_BACKEND", "triton")
-    from gdn.kernels import chunk_fwd
+    from gdn.kernels import tuning
 
-    with chunk_fwd.config_override(debug_poison=True):
+    with tuning.override("chunk_fwd", debug_poison=True):
         yield
 
 
@@ -162,23 +162,22 @@ def test_empty_batch():
 # ----------------------------------------------------------------------------------------------------------------------
 # state pools
 # ----------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("pool_dtype,layout,segment,fuse", [(torch.float32, "v_last", None, False),
-                                                            (torch.bfloat16, "k_last", None, True),
-                                                            (torch.float32, "k_last", 1, False),
-                                                            (torch.bfloat16, "v_last", 2, True)])
-def test_state_pool(pool_dtype, layout, segment, fuse):
-    from gdn.kernels import chunk_fwd
+@pytest.mark.parametrize("pool_dtype,layout,segment,in_dtype", [(torch.float32, "v_last", None, torch.float32),
+                                                                (torch.bfloat16, "k_last", None, torch.bfloat16),
+                                                                (torch.float32, "k_last", 1, torch.float32),
+                                                                (torch.bfloat16, "v_last", 2, torch.bfloat16)])
+def test_state_pool(pool_dtype, layout, segment, in_dtype):
+    from gdn.kernels import tuning
 
     lens = [C + 3, 5, 0, 20]
     idx = torch.tensor([3, -1, 0, 5], dtype=torch.int32)
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
     T = int(cu[-1])
     N, P, H, HV, K, V = len(lens), 6, 1, 2, 16, 16
-    in_dtype = torch.bfloat16 if fuse else torch.float32  # the fused output path is taken for half inputs
     x = make_inputs(1, T, H, HV, K, V, dtype=in_dtype)
     pool = _state(P, HV, K, V, layout, dtype=pool_dtype)
     before = pool.clone()
-    with chunk_fwd.config_override(segment_chunks=segment or 0, fuse_output=fuse, debug_poison=True):
+    with tuning.override("chunk_fwd", segment_chunks=segment or 0, debug_poison=True):
         o, fin = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
                                         cu_seqlens=cu, use_qk_l2norm_in_kernel=True, state_layout=layout,
                                         ssm_state_indices=idx)
@@ -254,7 +253,7 @@ def test_strided_packed_qkv():
 # ----------------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("seg", [1, 2])
 def test_forced_segments(seg):
-    from gdn.kernels import chunk_fwd
+    from gdn.kernels import tuning
 
     lens = [4 * C + 9, 3, 2 * C]
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
@@ -262,36 +261,49 @@ def test_forced_segments(seg):
     N, H, HV, K, V = len(lens), 1, 1, 32, 16
     x = make_inputs(1, T, H, HV, K, V)
     h0 = _state(N, HV, K, V, "k_last")
-    with chunk_fwd.config_override(segment_chunks=seg):
+    with tuning.override("chunk_fwd", segment_chunks=seg):
         o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
                                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True, state_layout="k_last")
     ro, rht = _refs(x, h0=h0, cu=cu, l2=True, layout="k_last")
     _check(o, ht, ro, rht, torch.float32)
 
 
-def test_segment_env_var_forces(monkeypatch):
-    from gdn.kernels import chunk_fwd
+def test_tune_env_var_forces(monkeypatch):
+    """GDN_TUNE reaches the launchers at call time (forced segments, a smaller state tile)."""
+    from gdn.kernels import tuning
 
-    saved = dict(chunk_fwd.CONFIG)
-    try:
-        monkeypatch.setenv("GDN_CHUNK_SEGMENT", "2")
-        monkeypatch.setenv("GDN_CHUNK_CONFIG", '{"state_BV": 16}')
-        chunk_fwd._apply_env_config()
-        assert chunk_fwd.CONFIG["segment_chunks"] == 2 and chunk_fwd.CONFIG["state_BV"] == 16
-        x = make_inputs(1, 3 * C, 1, 1, 16, 32)
-        o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, output_final_state=True)
-        ro, rht = _refs(x)
-        _check(o, ht, ro, rht, torch.float32)
-    finally:
-        chunk_fwd.CONFIG.clear()
-        chunk_fwd.CONFIG.update(saved)
+    monkeypatch.setenv("GDN_TUNE", "chunk_fwd.segment_chunks=2, chunk_fwd.state_BV=16")
+    cfg = tuning.chunk_fwd()
+    assert cfg.segment_chunks == 2 and cfg.state_BV == 16 and cfg.debug_poison   # override blocks still apply
+    x = make_inputs(1, 3 * C, 1, 1, 16, 32)
+    o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, output_final_state=True)
+    ro, rht = _refs(x)
+    _check(o, ht, ro, rht, torch.float32)
+
+
+@pytest.mark.parametrize("raw,match", [("chunk_fwd.state_BV", "bad item"), ("chunk.state_BV=16", "unknown family"),
+                                       ("chunk_fwd.state_bv=16", "unknown key"),
+                                       ("chunk_fwd.state_BV=wide", "expected int"),
+                                       ("chunk_fwd.state_split_h=maybe", "expected bool"),
+                                       ("chunk_bwd.dvl_heads=-1", "dvl_heads")])
+def test_tune_env_var_errors(monkeypatch, raw, match):
+    """A bad GDN_TUNE raises ValueError naming the variable and the item before any kernel runs."""
+    from gdn.kernels import tuning
+
+    monkeypatch.setenv("GDN_TUNE", raw)
+    x = make_inputs(1, 5, 1, 1, 16, 16)
+    with pytest.raises(ValueError, match=match) as e:
+        tuning.chunk_fwd()
+        tuning.chunk_bwd()
+        chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta)
+    assert "GDN_TUNE" in str(e.value)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
 # the forward intermediates (used by the backward for recompute)
 # ----------------------------------------------------------------------------------------------------------------------
 def test_intermediates():
-    from gdn.kernels import chunk_fwd as cf
+    import gdn.kernels.chunk as cf
 
     lens = [C + 5, 20]
     cu = torch.tensor([0, C + 5, C + 25], dtype=torch.int32)
@@ -329,7 +341,7 @@ def test_intermediates():
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# autograd plumbing (the backward kernels live in chunk_bwd.py)
+# autograd plumbing (the backward kernels live in gdn.kernels.chunk.backward)
 # ----------------------------------------------------------------------------------------------------------------------
 def test_forward_under_autograd():
     x = make_inputs(1, 20, 1, 1, 16, 16)
@@ -340,7 +352,7 @@ def test_forward_under_autograd():
     assert o.requires_grad and ht.requires_grad and ht.shape == h0.shape
     ro, rht = _refs(x, h0=h0, layout="k_last")
     _check(o, ht, ro, rht, torch.float32)
-    if importlib.util.find_spec("gdn.kernels.chunk_bwd") is None:
+    if importlib.util.find_spec("gdn.kernels.chunk.backward") is None:
         with pytest.raises(NotImplementedError):
             (o.sum() + ht.sum()).backward()
 
@@ -414,20 +426,20 @@ def test_bad_heads_and_dims():
 
 
 _VARIANTS = [dict(state_mode="wu", segment_chunks=1), dict(state_split_h=True, ainv_dtype="fp32"),
-             dict(fuse_output=True), dict(fuse_output=True, state_mode="wu", segment_chunks=2)]
+             dict(state_mode="wu", segment_chunks=2, h_dtype="fp32")]
 
 
 @pytest.mark.parametrize("cfg", _VARIANTS)
 def test_state_pass_variants(cfg):
-    """The alternative state-pass formulations the GPU sweep may pick (w/u round trip, split h, fp32 Ainv, fused
-    output), each against the float64 reference."""
-    from gdn.kernels import chunk_fwd
+    """The alternative state-pass formulations the tuning table offers (w/u round trip, split h, fp32 Ainv, fp32 h),
+    each against the float64 reference."""
+    from gdn.kernels import tuning
 
     cu = torch.tensor([0, 2 * C + 3, 2 * C + 40], dtype=torch.int32)
     T = int(cu[-1])
     x = make_inputs(1, T, 1, 2, 16, 16, dtype=torch.bfloat16)
     h0 = _state(2, 2, 16, 16, "v_last")
-    with chunk_fwd.config_override(**cfg):
+    with tuning.override("chunk_fwd", **cfg):
         o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
                                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
     ro, rht = _refs(x, h0=h0, cu=cu, l2=True)
@@ -438,7 +450,8 @@ def test_state_pass_variants(cfg):
 def test_output_kernel_value_heads_per_program(heads, BK, BV):
     """The output kernel with several value heads per program (shared q k^T): GVA 4, K split into BK tiles (the
     first one kept across the heads), V tiles, a pool with a padding sequence (zeros for all its heads)."""
-    from gdn.kernels import chunk_fwd
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk.output import _output_heads
 
     lens = [C + 9, 0, 30, 5]
     idx = torch.tensor([2, 0, -1, 1], dtype=torch.int32)
@@ -448,8 +461,8 @@ def test_output_kernel_value_heads_per_program(heads, BK, BV):
     x = make_inputs(1, T, H, HV, K, V)
     pool = _state(3, HV, K, V, "v_last")
     before = pool.clone()
-    with chunk_fwd.config_override(output_heads=heads, output_BK=BK, output_BV=BV, debug_poison=True):
-        assert chunk_fwd._output_heads(H, HV) == {2: 2, 0: 4, 3: 2}[heads]
+    with tuning.override("chunk_fwd", output_heads=heads, output_BK=BK, output_BV=BV, debug_poison=True):
+        assert _output_heads(H, HV) == {2: 2, 0: 4, 3: 2}[heads]
         o, _ = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True, ssm_state_indices=idx)
     h0 = torch.stack([before[i] if i >= 0 else torch.zeros_like(before[0]) for i in idx.tolist()])
@@ -464,23 +477,26 @@ def test_output_kernel_value_heads_per_program(heads, BK, BV):
 
 
 def test_heads_per_program_settings_are_checked(monkeypatch):
-    from gdn.kernels import chunk_bwd, chunk_fwd
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk.backward.dv_local import _dv_local_heads
+    from gdn.kernels.chunk.output import _output_heads
 
-    with chunk_fwd.config_override(output_heads=-1):
-        with pytest.raises(ValueError, match="output_heads"):
-            chunk_fwd._output_heads(1, 4)
-    monkeypatch.setenv("GDN_BWD_DVL_HEADS", "-2")
-    with pytest.raises(ValueError, match="GDN_BWD_DVL_HEADS"):
-        chunk_bwd._dv_local_heads(1, 4)
-    monkeypatch.setenv("GDN_BWD_DVL_HEADS", "3")
-    assert chunk_bwd._dv_local_heads(1, 4) == 2 and chunk_bwd._dv_local_heads(2, 12) == 3
+    with pytest.raises(ValueError, match="output_heads"):
+        with tuning.override("chunk_fwd", output_heads=-1):
+            _output_heads(1, 4)
+    monkeypatch.setenv("GDN_TUNE", "chunk_bwd.dvl_heads=-2")
+    with pytest.raises(ValueError, match="GDN_TUNE.*dvl_heads"):
+        _dv_local_heads(1, 4)
+    monkeypatch.setenv("GDN_TUNE", "chunk_bwd.dvl_heads=3")
+    assert _dv_local_heads(1, 4) == 2 and _dv_local_heads(2, 12) == 3
 
 
 def test_solve_correlated_keys_and_rnorm():
     """The blocked inverse (16x16 substitution + (I - M)(I + M^2) Dinv merge) against float64 on nearly identical
     keys with beta ~ 1 and no decay: entries of the block powers grow, the inverse must still be right. Also the
     stored r_k and l2_rnorm against 1 / |x|."""
-    import gdn.kernels.chunk_fwd as cf
+    import gdn.kernels.chunk as cf
+    from gdn.kernels.common import l2_rnorm
 
     C, H, HV, K, V = 64, 2, 2, 32, 16
     T = C + 7
@@ -493,9 +509,9 @@ def test_solve_correlated_keys_and_rnorm():
     g_cum, ainv, _, _ = cf.chunk_fwd_prepare(k, v, g, beta, None, 64, True, store_wu=False, rk=rk)
     ref_rk = 1.0 / (k.double().pow(2).sum(-1) + 1e-6).sqrt()
     assert rel_err(rk, ref_rk) < 1e-6
-    assert rel_err(cf.l2_rnorm(k), ref_rk) < 1e-6
+    assert rel_err(l2_rnorm(k), ref_rk) < 1e-6
     q_view = torch.randn(1, T, 3 * H, K)[:, :, H:2 * H]        # strided view
-    assert rel_err(cf.l2_rnorm(q_view), 1.0 / (q_view.double().pow(2).sum(-1) + 1e-6).sqrt()) < 1e-6
+    assert rel_err(l2_rnorm(q_view), 1.0 / (q_view.double().pow(2).sum(-1) + 1e-6).sqrt()) < 1e-6
     kn = (k.double() * ref_rk[..., None])
     for hv in range(HV):
         for s, e in ((0, C), (C, T)):
@@ -520,9 +536,9 @@ def test_cu_seqlens_cpu_reads_nothing_back(monkeypatch):
     h0 = torch.randn(len(lens), 2, 32, 16)
     ref, ref_ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
                                          cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
-    from gdn.kernels import chunk_fwd
+    from gdn.kernels.chunk import plan
 
-    chunk_fwd._TABLE_CACHE.clear()
+    plan._TABLE_CACHE.clear()
     reads = []
     orig_cpu, orig_tolist = torch.Tensor.cpu, torch.Tensor.tolist
 

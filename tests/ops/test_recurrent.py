@@ -99,12 +99,18 @@ def test_pool_not_inplace_returns_new_state():
     assert fin.shape == (N, HV, K, V) and rel_err(fin, rs) < 1e-5 and rel_err(o, ro) < 1e-5
 
 
+def _tune(family, cfg):
+    """GDN_TUNE items for "BV:warps:stages[:tiles[:maxnreg]]" of the decode / recurrent tuning table ("" = none)."""
+    fields = ("BV", "warps", "stages", "tiles", "maxnreg")
+    return ",".join(f"{family}.{f}={v}" for f, v in zip(fields, cfg.split(":"))) if cfg else ""
+
+
 @pytest.mark.parametrize("layout", ["v_last", "k_last"])
 @pytest.mark.parametrize("cfg", ["", "8:2:3"])
 def test_speculative_decoding_slots(layout, cfg, monkeypatch):
     """Start from the accepted draft's slot; write every token's state into its own slot (also with the token loop
-    software-pipelined, ``GDN_RECURRENT_CFG`` = BV:warps:stages)."""
-    monkeypatch.setenv("GDN_RECURRENT_CFG", cfg)
+    software-pipelined: the ``recurrent`` tuning fields BV:warps:stages through GDN_TUNE)."""
+    monkeypatch.setenv("GDN_TUNE", _tune("recurrent", cfg))
     lens = [3, 1, 4, 2]
     N, H, HV, K, V, P = 4, 2, 4, 16, 16, 20
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=DEV)
@@ -283,7 +289,7 @@ def test_single_token_2d_slots_with_accepted_counts(layout):
 def test_decode_program_loop_over_tiles(monkeypatch, cfg):
     """Programs that walk several tiles of a head (software-pipelined): every tile is done once, padding slots give
     zeros and leave their rows alone (tiles 3 is cut to 2, a divisor of the head's 4 tiles)."""
-    monkeypatch.setenv("GDN_DECODE_CFG", cfg)
+    monkeypatch.setenv("GDN_TUNE", _tune("decode", cfg))
     B, H, HV, K, V, P = 7, 2, 4, 32, 32, 10
     x = make_inputs(B, 1, H, HV, K, V, dtype=torch.bfloat16, device=DEV)
     pool = _state(P, HV, K, V, "k_last")
@@ -305,7 +311,7 @@ def test_decode_program_loop_over_tiles(monkeypatch, cfg):
 @pytest.mark.parametrize("cfg", ["", "32:2:3:3"])
 def test_decode_non_power_of_two_dims(layout, cfg, monkeypatch):
     """T = 1 with K = 96, V = 80 (masked rows and columns; with 32-column tiles the last tile runs past V), GVA."""
-    monkeypatch.setenv("GDN_DECODE_CFG", cfg)
+    monkeypatch.setenv("GDN_TUNE", _tune("decode", cfg))
     B, H, HV, K, V = 3, 1, 2, 96, 80
     x = make_inputs(B, 1, H, HV, K, V, device=DEV)
     st = _state(B, HV, K, V, layout)
@@ -316,13 +322,14 @@ def test_decode_non_power_of_two_dims(layout, cfg, monkeypatch):
     assert rel_err(o, ro) < 1e-5 and rel_err(fin, rs) < 1e-5
 
 
-@pytest.mark.parametrize("name,value", [("GDN_DECODE_CFG", "-8:1:1:1"), ("GDN_DECODE_CFG", "24:2:1:1"),
-                                        ("GDN_DECODE_CFG", "16:2"), ("GDN_RECURRENT_CFG", "16:2:2:1"),
-                                        ("GDN_RECURRENT_CFG", "0:1:1")])
-def test_bad_tuning_override_raises_before_launch(name, value, monkeypatch):
-    """A malformed tuning override names itself in a ValueError and leaves the state untouched."""
-    monkeypatch.setenv(name, value)
-    T = 1 if name == "GDN_DECODE_CFG" else 3
+@pytest.mark.parametrize("value", [_tune("decode", "-8:1:1:1"), _tune("decode", "24:2:1:1"), "decode.BV=16,decode.warps",
+                                   "recurrent.BV=16,recurrent.tiles=1", _tune("recurrent", "0:1:1"),
+                                   "decode.stages=two"])
+def test_bad_tuning_override_raises_before_launch(value, monkeypatch):
+    """A malformed tuning override (GDN_TUNE) names itself in a ValueError and leaves the state untouched."""
+    monkeypatch.setenv("GDN_TUNE", value)
+    name = "GDN_TUNE"
+    T = 1 if value.startswith("decode") else 3
     x = make_inputs(2, T, 1, 2, 16, 16, device=DEV)
     st = _state(2, 2, 16, 16, "k_last")
     before = st.clone()

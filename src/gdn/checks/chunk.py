@@ -115,7 +115,7 @@ def chunk_strided_qkv(device):
 @register
 def chunk_long_segmented(device):
     """One long sequence: the segmented state pass (forced, and the heuristic on GPUs) and the plain pass."""
-    from ..kernels.chunk_fwd import config_override
+    from ..kernels.tuning import override
 
     s = _shapes(device)
     H, HV = s["long_heads"]
@@ -125,7 +125,7 @@ def chunk_long_segmented(device):
     ro, rht = _ref(x, h0)
     out = []
     for name, seg in (("heuristic", 0), ("forced segments", 8 if device.type == "cuda" else 2), ("unsegmented", -1)):
-        with config_override(segment_chunks=seg):
+        with override("chunk_fwd", segment_chunks=seg):
             o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
                                            use_qk_l2norm_in_kernel=True)
         out += [Result("chunk", f"long T={T} {name} o", rel_err(o, ro), TOL[torch.bfloat16]),
@@ -135,11 +135,12 @@ def chunk_long_segmented(device):
 
 @register
 def chunk_sm90_vs_portable(device):
-    """Hopper only: the Gluon state pass (kernels/chunk_sm90.py) against the portable Triton pass on the same
+    """Hopper only: the Gluon state pass (gdn.kernels.chunk.hopper) against the portable Triton pass on the same
     inputs (h per chunk, v_new, final state; pools, k_last, varlen, segments), and the whole op against float64."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
-    from ..kernels.chunk_fwd import chunk_gated_delta_rule_fwd, config_override
+    from ..kernels.chunk import chunk_gated_delta_rule_fwd
+    from ..kernels.tuning import override
 
     s = _shapes(device)
     out = []
@@ -154,7 +155,7 @@ def chunk_sm90_vs_portable(device):
         idx[2] = -1
         for sm90 in (False, True):
             pool = pool0.clone()
-            with config_override(state_sm90=sm90, segment_chunks=seg):
+            with override("chunk_fwd", state_sm90=sm90, segment_chunks=seg):
                 o, _, aux = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, s["K"] ** -0.5, pool, True, cu,
                                                        use_qk_l2norm_in_kernel=True, state_layout=layout,
                                                        state_indices=idx, final_state=pool)
@@ -175,7 +176,7 @@ def chunk_sm90_target_shapes(device):
     of every sequence (causal: the first tokens' outputs do not depend on the rest)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
-    from ..kernels.chunk_fwd import config_override
+    from ..kernels.tuning import override
 
     out = []
     prefix = 256
@@ -188,7 +189,7 @@ def chunk_sm90_target_shapes(device):
         cu = torch.arange(0, N * L + 1, L, device=device, dtype=torch.int32)
         res = []
         for sm90 in (True, False):
-            with config_override(state_sm90=sm90):
+            with override("chunk_fwd", state_sm90=sm90):
                 res.append(chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, output_final_state=True, cu_seqlens=cu,
                                                   use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=cu.cpu()))
         name = f"sm90 {N}x{L} {H}/{HV}"

@@ -1,4 +1,4 @@
-"""gdn check: gradients of the chunked op (gdn.kernels.chunk_bwd) against float64 autograd of the reference.
+"""gdn check: gradients of the chunked op (gdn.kernels.chunk.backward) against float64 autograd of the reference.
 
 Every gradient (q, k, v, g, beta, initial state) of ``chunk_gated_delta_rule_bwd`` -- the backward the op's autograd
 Function calls -- is compared with torch autograd through ``chunk_gated_delta_rule_ref`` in float64: fixed-length
@@ -37,7 +37,7 @@ def _ref_grads(q, k, v, g, beta, scale, h0, cu, l2, do, dht, layout="v_last"):
 
 
 def _case(device, dtype, *, varlen, l2=True, g_range=(-1.0, -0.01)):
-    from ..kernels.chunk_bwd import chunk_gated_delta_rule_bwd
+    from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
 
     s = _shapes(device)
     if varlen:

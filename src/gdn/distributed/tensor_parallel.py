@@ -187,8 +187,6 @@ def shard_gated_deltanet(layer, tp_group=None):
     layer's forward and gradients (input gradient all-reduced; the replicated norm weight's gradient all-reduced).
     The original layer is left untouched.
     """
-    from gdn.layers import GatedDeltaNet
-
     if getattr(layer, "tp_size", 1) != 1:
         raise ValueError(f"layer: expected a full (unsharded) GatedDeltaNet, got one already sharded "
                          f"over {layer.tp_size} ranks")
@@ -200,7 +198,7 @@ def shard_gated_deltanet(layer, tp_group=None):
     if layer.num_k_heads % world != 0:
         raise ValueError(f"tp_group: num_k_heads = {layer.num_k_heads} is not divisible by the group size {world}")
     p = layer.A_log
-    shard = GatedDeltaNet(layer.hidden_size, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim,
+    shard = type(layer)(layer.hidden_size, layer.num_k_heads, layer.num_v_heads, layer.head_k_dim,
                           layer.head_v_dim, conv_size=layer.conv_size, norm_eps=layer.norm_eps,
                           layer_idx=layer.layer_idx, projection=layer.projection,
                           conv_bias=layer.conv1d.bias is not None, chunk_size=layer.chunk_size,

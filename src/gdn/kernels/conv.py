@@ -27,10 +27,11 @@ sums of ``dweight``/``dbias`` (``[G, 4, D]``, ``[G, D]``) are reduced on the hos
 from __future__ import annotations
 
 import functools
-import os
 
 import triton
 import triton.language as tl
+
+from .. import config
 
 GROUP = 4  # rows per inner-loop step; chunk sizes are multiples of it
 
@@ -38,7 +39,7 @@ GROUP = 4  # rows per inner-loop step; chunk sizes are multiples of it
 def _device_fn(fn):
     """``triton.jit`` for device helpers; plain Python under Triton's interpreter, which re-patches the language
     module on every call of a jitted helper (milliseconds each). Decided at import, like ``triton.jit`` itself."""
-    return fn if os.environ.get("TRITON_INTERPRET", "0") == "1" else triton.jit(fn)
+    return fn if config.triton_interpret() else triton.jit(fn)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -13,15 +13,15 @@ With ``xhat = x * rstd``, ``g = silu(z)``, ``dxhat = dy * w * g``::
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
+
+from .. import config
 
 
 def _device_fn(fn):
     """``triton.jit`` for device helpers; plain Python under Triton's interpreter (see gdn.kernels.conv)."""
-    return fn if os.environ.get("TRITON_INTERPRET", "0") == "1" else triton.jit(fn)
+    return fn if config.triton_interpret() else triton.jit(fn)
 
 
 @_device_fn

@@ -23,11 +23,10 @@ A negative or out-of-range pool row marks a padding sequence: its outputs are ze
 """
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from . import tuning
 from .common import gdn_gate_value, next_pow2, sigmoid
 
 
@@ -277,61 +276,40 @@ def decode_kernel(
                            BK, BV, WRITE_MODE, K_LAST, STORE_CACHE)
 
 
-def _env_config(name: str, n_fields: int, defaults: tuple) -> tuple:
-    """Integer fields of a tuning override ``name="a:b:..."`` (the first ``n_fields`` required, the rest optional),
-    or ``defaults`` when unset. A bad value raises ValueError naming the variable before anything is launched."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return defaults
-    parts = raw.split(":")
-    try:
-        if not n_fields <= len(parts) <= len(defaults):
-            raise ValueError
-        vals = tuple(int(x) if i < n_fields or x else defaults[i] for i, x in enumerate(parts))
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: expected {n_fields} to {len(defaults)} integers separated by ':'") from None
-    bv, warps, stages = vals[0], vals[1], vals[2]
-    if bv < 1 or bv & (bv - 1) or warps < 1 or warps & (warps - 1) or stages < 1 or min(vals[:n_fields]) < 1:
-        raise ValueError(f"{name}={raw!r}: BV and warps must be powers of two, stages and tiles at least 1")
-    return vals + defaults[len(vals):]
-
-
-def _recurrent_config(N: int, HV: int, K: int, V: int) -> tuple:
-    """(BV, num_warps, num_stages of the token loop) of the multi-token kernel, from H200 sweeps
-    (bench/results/sweep_recurrent_h200.txt): one-warp 8-column programs for few sequences, else 16-column tiles,
-    2 warps, the token loop pipelined 2 deep. ``GDN_RECURRENT_CFG="BV:warps:stages"`` overrides."""
-    BV, warps, stages = _env_config("GDN_RECURRENT_CFG", 3, (8, 1, 1) if N * HV < 2048 else (16, 2, 2))
+def _recurrent_config(N: int, HV: int, K: int, V: int, device=None) -> tuple:
+    """(BV, num_warps, num_stages of the token loop) of the multi-token kernel: the ``recurrent`` tuning table
+    (:mod:`gdn.kernels.tuning`; shape class by N * HV), BV capped by V and the register budget."""
+    row = tuning.lookup("recurrent", device, "few_heads" if N * HV < 2048 else "many_heads")
+    BV, warps, stages = row.BV, row.warps, row.stages
     BV = min(BV, next_pow2(V))
     while BV > 8 and BV * next_pow2(K) > 128 * 128:
         BV //= 2
     return BV, warps, stages
 
 
-def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int) -> tuple:
-    """(BV, num_warps, num_stages, tiles per program, maxnreg, store cache modifier) of :func:`decode_kernel`, from
-    H200 sweeps (bench/results/sweep_decode5_h200*.json, K = V = 128).
-    ``GDN_DECODE_CFG="BV:warps:stages:tiles[:maxnreg]"`` and ``GDN_DECODE_STORE_CACHE`` (a store cache modifier)
-    override."""
-    BK = next_pow2(K)
+def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int, device=None) -> tuple:
+    """(BV, num_warps, num_stages, tiles per program, maxnreg, store cache modifier) of :func:`decode_kernel`: the
+    ``decode`` tuning table (:mod:`gdn.kernels.tuning`; shape class by N * HV and the state's bytes per element), BV
+    capped by V and the register budget, tiles a divisor of the V tiles."""
     nhv = N * HV
     if nhv < 2048:
-        BV, warps, stages, tiles = 8, 1, 1, 1      # few heads: many one-warp programs
+        shape_class = "few_heads"
     elif state_bytes >= 4:
-        BV, warps, stages, tiles = 8, 2, 1, 1      # fp32 state: 8 columns, straight-line, many CTAs per SM
+        shape_class = "fp32_state"
     elif nhv < 8192:
-        BV, warps, stages, tiles = 32, 2, 3, 4     # 16-bit state: a head's tiles in a 3-deep pipelined loop
+        shape_class = "half_state"
     else:
-        BV, warps, stages, tiles = 16, 2, 4, 4     # two programs per head
-    store_cache = os.environ.get("GDN_DECODE_STORE_CACHE", "")
-    BV, warps, stages, tiles, maxnreg = _env_config("GDN_DECODE_CFG", 4, (BV, warps, stages, tiles, 0))
+        shape_class = "half_state_many"
+    row = tuning.lookup("decode", device, shape_class)
+    BV, warps, stages, tiles = row.BV, row.warps, row.stages, row.tiles
     BV = min(BV, next_pow2(V))
-    while BV > 8 and BV * BK > 128 * 128:
+    while BV > 8 and BV * next_pow2(K) > 128 * 128:
         BV //= 2
     nvb = triton.cdiv(V, BV)
     tiles = max(1, min(tiles, nvb))
     while nvb % tiles:
         tiles -= 1
-    return BV, warps, stages, tiles, maxnreg, store_cache
+    return BV, warps, stages, tiles, row.maxnreg, row.store_cache
 
 
 def _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted):
@@ -354,7 +332,8 @@ def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_ou
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     BV, warps, stages, tiles, maxnreg, store_cache = _decode_config(N, HV, K, V,
-                                                                    st.element_size() if st is not None else 4)
+                                                                    st.element_size() if st is not None else 4,
+                                                                    q.device)
     kw = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
         kw["maxnreg"] = maxnreg
@@ -381,7 +360,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
     if cu_seqlens is None and seqlen == 1:
         return _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted,
                        read_mode, write_mode, l2norm, k_last, N)
-    BV, warps, stages = _recurrent_config(N, HV, K, V)
+    BV, warps, stages = _recurrent_config(N, HV, K, V, q.device)
     ptrs, (P_in, P_out, n_cols, s_idx), modes = _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out,
                                                              idx, num_accepted)
     recurrent_gdn_fwd_kernel[(N * HV, triton.cdiv(V, BV))](

@@ -171,7 +171,7 @@ def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
 def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
               cu_seqlens: Optional[Tensor], scale: float, output_final_state: bool, l2norm: bool,
               chunk_size: int) -> Tuple[Tensor, Tensor]:
-    from ..kernels.chunk_fwd import chunk_gated_delta_rule_fwd
+    from ..kernels.chunk.forward import chunk_gated_delta_rule_fwd
 
     o, ht, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                                           chunk_size, l2norm, state_layout="v_last")
@@ -190,7 +190,7 @@ def _(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state, l2
 def chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
               cu_seqlens: Optional[Tensor], do: Tensor, dht: Optional[Tensor], scale: float, l2norm: bool,
               chunk_size: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    from ..kernels.chunk_bwd import chunk_gated_delta_rule_bwd
+    from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
 
     dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens,
                                                             chunk_size, l2norm, do, dht)
@@ -230,7 +230,7 @@ def chunk_fwd_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, poo
                    cu_seqlens: Optional[Tensor], scale: float, l2norm: bool, chunk_size: int,
                    state_layout: str) -> Tensor:
     """Inference prefill over a state pool: initial states read from, final states written to the pool rows."""
-    from ..kernels.chunk_fwd import chunk_gated_delta_rule_fwd
+    from ..kernels.chunk.forward import chunk_gated_delta_rule_fwd
 
     o, _, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, pool, False, cu_seqlens, chunk_size, l2norm,
                                          state_layout=state_layout, state_indices=state_indices, final_state=pool)

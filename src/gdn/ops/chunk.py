@@ -1,7 +1,7 @@
 """chunk_gated_delta_rule: chunked (WY / UT transform) prefill and training (see API.md).
 
 Validation -> backend choice -> (torch reference | Triton kernels, through an autograd Function when a gradient is
-needed). Kernels live in :mod:`gdn.kernels.chunk_fwd` (forward) and :mod:`gdn.kernels.chunk_bwd` (backward) and are
+needed). Kernels live in :mod:`gdn.kernels.chunk` (forward and backward) and are
 imported lazily.
 """
 from __future__ import annotations
@@ -114,15 +114,16 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
                 chunk_size, cu_seqlens_cpu=None):
-        from gdn.kernels.chunk_fwd import CONFIG, chunk_gated_delta_rule_fwd
+        from gdn.kernels import tuning
+        from gdn.kernels.chunk.forward import chunk_gated_delta_rule_fwd
 
         # Ainv (tensor-core dtype, [B, T, HV, 64]), the chunk-local gate cumsum and the L2 row scalings are kept for
         # the backward (as fla keeps A): it then recomputes only W / U and the chunk states, not the solve; with
-        # CONFIG["bwd_save_states"] the chunk states h and v_new are kept too (memory for time)
+        # the tuning field chunk_fwd.bwd_save_states the chunk states h and v_new are kept too (memory for time)
         o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                 cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, state_layout="v_last",
                                                 store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu)
-        keep = bool(CONFIG["bwd_save_states"]) and aux["h"] is not None
+        keep = tuning.chunk_fwd(q.device).bwd_save_states and aux["h"] is not None
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, aux["g_cum"], aux["ainv"], aux["rq"],
                               aux["rk"], aux["h"] if keep else None, aux["v_new"] if keep else None)
         ctx.scale = scale
@@ -135,9 +136,9 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         try:
-            from gdn.kernels.chunk_bwd import chunk_gated_delta_rule_bwd
+            from gdn.kernels.chunk.backward import chunk_gated_delta_rule_bwd
         except ImportError as e:  # pragma: no cover - until the backward kernels land
-            raise NotImplementedError("chunk_gated_delta_rule backward kernels (gdn.kernels.chunk_bwd) are not "
+            raise NotImplementedError("chunk_gated_delta_rule backward kernels (gdn.kernels.chunk.backward) are not "
                                       "available") from e
         q, k, v, g, beta, h0, cu_seqlens, g_cum, ainv, rq, rk, h, v_new = ctx.saved_tensors
         if do is None:
@@ -180,7 +181,7 @@ def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
             ht = ht.transpose(-1, -2).contiguous()
         return o, ht
 
-    from gdn.kernels.chunk_fwd import chunk_gated_delta_rule_fwd
+    from gdn.kernels.chunk.forward import chunk_gated_delta_rule_fwd
 
     if idx is None:
         o, ht, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,

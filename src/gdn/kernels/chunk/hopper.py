@@ -1,4 +1,4 @@
-"""Hopper (sm_90) form of the chunked forward's sequential state pass, written in Gluon.
+"""Hopper (sm_90) form of the chunked forward's sequential state pass (``state.py``), written in Gluon.
 
 Same math, inputs and outputs as the portable ``_chunk_state_kernel`` in its default mode (``v_new`` from Ainv,
 no fused output), for one program per (V tile, value head, segment)::
@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from . import _gluon_api as G
+from .. import _gluon_api as G
 
 CHUNK = 64
 

@@ -1,0 +1,114 @@
+"""``gdn profile``: the time of every kernel of one chunked forward (+ backward) call, from torch.profiler's CUDA
+kernel records (gdn, and fla with ``--fla`` when importable). The tool for an A/B of a tuning field::
+
+    gdn profile --shapes 1x32768:16/32,4x4096:16/32 --out $OUT/profile.json
+    GDN_TUNE=chunk_fwd.state_stages=3 gdn profile --forward --out $OUT/profile_stages3.json
+
+Inputs per shape ``NxT:H/HV``: bf16 q/k/v/beta, fp32 g, K = V = 128, L2 norm on, fp32 initial and final state; one
+warm-up call, then ``--iters`` profiled calls; prints every kernel's mean time per call (us) and their sum.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+
+def parse_shapes(spec: str):
+    """"1x8192:16/32,4x4096:16/32" -> [(N, T, H, HV), ...]."""
+    out = []
+    for item in spec.split(","):
+        nt, heads = item.strip().split(":")
+        n, t = (int(x) for x in nt.split("x"))
+        h, hv = (int(x) for x in heads.split("/"))
+        out.append((n, t, h, hv))
+    return out
+
+
+def _inputs(N, T, H, HV, device, K=128, V=128, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = torch.randn(N, T, H, K, device=device, generator=g).bfloat16().requires_grad_()
+    k = torch.randn(N, T, H, K, device=device, generator=g).bfloat16().requires_grad_()
+    v = torch.randn(N, T, HV, V, device=device, generator=g).bfloat16().requires_grad_()
+    gl = (-torch.rand(N, T, HV, device=device, generator=g) * 0.2).float().requires_grad_()
+    beta = torch.rand(N, T, HV, device=device, generator=g).bfloat16().requires_grad_()
+    h0 = torch.randn(N, HV, K, V, device=device, generator=g).float() * 0.1
+    do = torch.randn(N, T, HV, V, device=device, generator=g).bfloat16()
+    return q, k, v, gl, beta, h0, do
+
+
+def kernel_times(fn, iters: int):
+    """[(kernel name, us per call, launches per call)] of ``fn`` on CUDA, slowest first."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    tot, cnt = defaultdict(float), defaultdict(int)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            tot[e.name[:90]] += e.device_time
+            cnt[e.name[:90]] += 1
+    return sorted(((n, t / iters, cnt[n] / iters) for n, t in tot.items()), key=lambda r: -r[1])
+
+
+def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = False, out=None, print_fn=print):
+    """Profile every shape; returns rows ``{peer, shape, mode, total_us, kernels: [{name, us, calls}]}`` (also
+    written to ``out`` as JSON when given)."""
+    import json
+
+    from gdn.ops import chunk_gated_delta_rule
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("gdn profile needs a CUDA device")
+    peers = {"gdn": chunk_gated_delta_rule}
+    if fla:
+        try:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+            peers["fla"] = fla_chunk
+        except Exception as e:  # noqa: BLE001 - optional peer
+            print_fn(f"fla not importable: {e}")
+    mode = "fwd" if forward_only else "fwd+bwd"
+    rows = []
+    for (N, T, H, HV) in parse_shapes(shapes):
+        q, k, v, gl, beta, h0, do = _inputs(N, T, H, HV, "cuda")
+        shape = f"{N}x{T}:{H}/{HV}"
+        for name, op in peers.items():
+            def step(op=op):
+                with torch.set_grad_enabled(not forward_only):
+                    o, _ = op(q, k, v, gl, beta, scale=128 ** -0.5, initial_state=h0, output_final_state=True,
+                              use_qk_l2norm_in_kernel=True)
+                    if not forward_only:
+                        torch.autograd.grad(o, (q, k, v, gl, beta), do)
+            try:
+                ks = kernel_times(step, iters)
+            except Exception as e:  # noqa: BLE001 - one failing peer / shape must not stop the others
+                print_fn(f"{name} {shape}: failed: {e}")
+                continue
+            total = sum(r[1] for r in ks)
+            print_fn(f"\n== {name} {shape} {mode}: sum of kernels {total / 1000:.3f} ms per call")
+            for n, t, c in ks:
+                print_fn(f"  {t:9.1f} us  x{c:4.1f}  {n}")
+            rows.append(dict(peer=name, shape=shape, mode=mode, total_us=total,
+                             kernels=[dict(name=n, us=t, calls=c) for n, t, c in ks]))
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+def add_arguments(p):
+    p.add_argument("--shapes", default="1x32768:16/32,4x4096:16/32", help="NxT:H/HV, comma-separated")
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--forward", action="store_true", help="the forward only (default: forward + backward)")
+    p.add_argument("--fla", action="store_true", help="also profile fla's chunked op when importable")
+    p.add_argument("--out", default=None, help="write the rows here (JSON)")
+
+
+def main(args) -> int:
+    run(args.shapes, args.iters, args.forward, args.fla, args.out)
+    return 0
+
+
+__all__ = ["run", "kernel_times", "parse_shapes", "add_arguments", "main"]

@@ -1,0 +1,253 @@
+"""Backward step 2: the reverse pass over chunks (sequential), with the long-sequence split and its merge.
+
+Per chunk, last to first (one value head, one column block of the state gradient G = dL/dH_next)::
+
+    1. dVn = dv_local + diag(e^(cL - c) r_k) K G            (stored into dvn, the input of the parallel parts)
+    2. G  <- e^cL G + (diag(e^c r_q scale) Q)^T dO - W^T dVn  (G of every chunk stored into gs)
+
+Segmented (few sequences x heads, long sequences): per segment in parallel the local pass from zero and the K x K
+transition from the identity (no dO terms); the sequential merge X <- P_s X + R_s (last segment first); then the
+pass of every segment from its true end gradient.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ...common import l2_rnorm
+from ... import tuning
+from ..plan import choose_reverse_segment_len, plan_segments, prepare_chunk_indices
+from .common import _acc_dtype, _dot_precision, _mm_dtype, _strides
+from .dv_local import dv_local
+
+
+@triton.jit
+def chunk_bwd_dh_kernel(
+    q, k, w, gcum, do, rq, rk, x0, xend, gs, dvn, segments, chunk_offsets, cu_seqlens,
+    scale, T,
+    s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, VC: tl.constexpr, C: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    VARLEN: tl.constexpr, L2NORM: tl.constexpr, INIT: tl.constexpr, HAS_R: tl.constexpr,
+    STORE_STEPS: tl.constexpr, STORE_END: tl.constexpr, END_BY_SEG: tl.constexpr,
+    ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr,
+):
+    """Reverse pass over the chunks ``[c_beg, c_end)`` of one segment (row of ``segments`` = (sequence, c_beg,
+    c_end); a whole sequence when unsegmented) for one value head and one column block of the state gradient.
+
+    Per chunk (last to first): ``dVn = dv_local + Kdec G`` (dv_local read from ``dvn``, where
+    ``chunk_bwd_dv_local_kernel`` put it) and ``G <- e^cL G + Qdec^T dO - W^T dVn``.
+    INIT: 0 zeros, 1 ``x0[sequence]`` (dht), 2 ``x0[segment]``, 3 identity (VC = K: the segment's K x K transition,
+    then HAS_R is False: no dO terms). STORE_STEPS: ``gs[chunk]`` <- G leaving the chunk, ``dvn`` <- dVn.
+    STORE_END: ``xend[segment if END_BY_SEG else sequence]`` <- G entering the first chunk (dh0 when unsegmented).
+    The k, q^T, w^T tiles are pure dot operands (the L2-norm factors rq/rk are precomputed vectors applied to rows or
+    columns of the small side), so the pipeliner can copy them asynchronously into shared memory.
+    """
+    DT = w.dtype.element_ty
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_s = tl.program_id(2)
+    i_h = i_hv // (HV // H)
+    i_n = tl.load(segments + 3 * i_s).to(tl.int64)
+    c_beg = tl.load(segments + 3 * i_s + 1)
+    c_end = tl.load(segments + 3 * i_s + 2)
+    if VARLEN:
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        eos = tl.load(cu_seqlens + i_n + 1).to(tl.int64)
+        L = (eos - bos).to(tl.int32)
+        row = tl.zeros([], dtype=tl.int64)
+        tok0 = bos
+    else:
+        bos = tl.zeros([], dtype=tl.int64)
+        L = T
+        row = i_n
+        tok0 = i_n * T
+    c0 = tl.load(chunk_offsets + i_n).to(tl.int64)
+
+    o_c = tl.arange(0, C)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_v = o_v < VC
+    m_s = m_k[:, None] & m_v[None, :]
+    o_s = o_k[:, None] * VC + o_v[None, :]
+
+    if INIT == 3:
+        b_dh = tl.where((o_k[:, None] == o_v[None, :]) & m_s, 1.0, 0.0).to(ACC)
+    else:
+        b_dh = tl.zeros([BK, BV], dtype=ACC)
+    if INIT == 1:
+        b_dh += tl.load(x0 + (i_n * HV + i_hv) * K * VC + o_s, mask=m_s, other=0.0).to(ACC)
+    if INIT == 2:
+        b_dh += tl.load(x0 + (i_s.to(tl.int64) * HV + i_hv) * K * VC + o_s, mask=m_s, other=0.0).to(ACC)
+
+    for it in range(0, c_end - c_beg):
+        i_t = c_end - 1 - it
+        t = i_t * C + o_c
+        m_t = t < L
+        n_last = tl.minimum(L - i_t * C, C) - 1
+        tok = tok0 + t                       # flat token index (int64) for contiguous [B*T, ...] tensors
+        st = (bos + t).to(tl.int64)          # token index inside batch row ``row`` for strided q/k/do
+        if STORE_STEPS:
+            tl.store(gs + ((c0 + i_t) * HV + i_hv) * K * VC + o_s, b_dh.to(gs.dtype.element_ty), mask=m_s)
+
+        b_gc = tl.load(gcum + tok * HV + i_hv, mask=m_t, other=0.0).to(ACC)
+        b_gl = tl.sum(tl.where(o_c == n_last, b_gc, 0.0), axis=0)
+        b_gc = tl.where(m_t, b_gc, b_gl)    # padding rows of a partial chunk carry the last cumulative gate
+
+        b_k = tl.load(k + row * s_kb + st[:, None] * s_kt + i_h * s_kh + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_wt = tl.load(w + (tok[None, :] * HV + i_hv) * K + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
+                       other=0.0)                                              # w^T [BK, C], loaded transposed
+        b_fk = tl.exp(b_gl - b_gc)                                             # k_i -> e^(cL - c_i) kn_i
+        if L2NORM:
+            b_rk = tl.load(rk + (tok0 + t) * H + i_h, mask=m_t, other=0.0)
+            b_fk = b_fk * b_rk
+        b_dv = tl.dot(b_k.to(MM), b_dh.to(DT).to(MM), input_precision=PREC, out_dtype=ACC) * b_fk[:, None]
+        if HAS_R:
+            b_qt = tl.load(q + row * s_qb + st[None, :] * s_qt + i_h * s_qh + o_k[:, None],
+                           mask=m_k[:, None] & m_t[None, :], other=0.0)           # q^T [BK, C], loaded transposed
+            b_fq = tl.exp(b_gc) * scale                                        # q_j -> scale e^(c_j) qn_j
+            if L2NORM:
+                b_fq = b_fq * tl.load(rq + (tok0 + t) * H + i_h, mask=m_t, other=0.0)
+            b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :],
+                           mask=m_t[:, None] & m_v[None, :], other=0.0)
+            # + dv_local = (K Q^T * Gam^T) dO, written into dvn beforehand by chunk_bwd_dv_local_kernel
+            b_dv += tl.load(dvn + (tok[:, None] * HV + i_hv) * VC + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                            other=0.0).to(ACC)
+        if STORE_STEPS:
+            tl.store(dvn + (tok[:, None] * HV + i_hv) * VC + o_v[None, :], b_dv.to(dvn.dtype.element_ty),
+                     mask=m_t[:, None] & m_v[None, :])
+        b_ndv = (-b_dv).to(DT)
+        b_dh = b_dh * tl.exp(b_gl)
+        if HAS_R:
+            b_dod = (b_do.to(ACC) * b_fq[:, None]).to(DT).to(MM)                 # (diag(f) Q)^T dO = Q^T (f dO)
+            b_dh = tl.dot(b_qt.to(MM), b_dod, b_dh, input_precision=PREC, out_dtype=ACC)
+        b_dh = tl.dot(b_wt.to(MM), b_ndv.to(MM), b_dh, input_precision=PREC, out_dtype=ACC)
+
+    if STORE_END:
+        if END_BY_SEG:
+            tl.store(xend + (i_s.to(tl.int64) * HV + i_hv) * K * VC + o_s, b_dh.to(xend.dtype.element_ty), mask=m_s)
+        else:
+            tl.store(xend + (i_n * HV + i_hv) * K * VC + o_s, b_dh.to(xend.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def chunk_bwd_dh_merge_kernel(
+    dht, dh0, trans, rloc, xin, seg_offsets,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr, PREC: tl.constexpr,
+):
+    """Segmented reverse pass, step 3 (sequential over the segments of one sequence, last to first):
+    ``xin[s]`` <- X (gradient of the state leaving segment s), ``X <- P_s X + R_s``; finally ``dh0`` <- X."""
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_n = tl.program_id(2).to(tl.int64)
+    s_beg = tl.load(seg_offsets + i_n)
+    s_end = tl.load(seg_offsets + i_n + 1)
+    o_k = tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < K
+    m_s = m_k[:, None] & (o_v < V)[None, :]
+    o_s = o_k[:, None] * V + o_v[None, :]
+    o_p = o_k[:, None] * K + o_k[None, :]
+    m_p = m_k[:, None] & m_k[None, :]
+    b_x = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_DHT:
+        b_x += tl.load(dht + (i_n * HV + i_hv) * K * V + o_s, mask=m_s, other=0.0).to(tl.float32)
+    for it in range(0, s_end - s_beg):
+        i_s = (s_end - 1 - it).to(tl.int64)
+        tl.store(xin + (i_s * HV + i_hv) * K * V + o_s, b_x, mask=m_s)
+        b_p = tl.load(trans + (i_s * HV + i_hv) * K * K + o_p, mask=m_p, other=0.0)
+        b_r = tl.load(rloc + (i_s * HV + i_hv) * K * V + o_s, mask=m_s, other=0.0)
+        b_x = tl.dot(b_p, b_x, input_precision=PREC) + b_r
+    if HAS_DH0:
+        tl.store(dh0 + (i_n * HV + i_hv) * K * V + o_s, b_x.to(dh0.dtype.element_ty), mask=m_s)
+
+
+def _dh_config(V: int, device):
+    """(BV, warps, stages) of the reverse pass (``chunk_bwd.dh_BV`` / ``dh_warps`` / ``dh_stages``). BV 64, 1 stage:
+    with dv_local out of the loop this compiles without spills on sm_90 and was fastest on an H200 (1x32768 16/32:
+    1.86 ms for the three segmented passes vs 3.29 ms at BV 32 / 2 stages; BV 32 at 1 stage failed there)."""
+    cfg = tuning.chunk_bwd(device)
+    bv = int(cfg.dh_BV)
+    if bv <= 0:
+        bv = min(64, max(16, triton.next_power_of_2(V)))
+    return bv, int(cfg.dh_warps), int(cfg.dh_stages)
+
+
+def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, need_dh0,
+                 state_dtype=None, chunk_index=None, segment_chunks: Optional[int] = None, rq=None, rk=None):
+    """Reverse state-gradient pass (dv_local, then the reverse pass).
+
+    q, k [B, T, H, K] raw (strided ok), w [B, T, HV, K] (forward's w, its dtype is the dot operand dtype),
+    g_cum [B, T, HV] chunk-local cumsum, do [B, T, HV, V], dht None or [N, HV, K, V].
+    Returns ``(gs [NT, HV, K, V] (gradient of the state leaving each chunk, ``state_dtype``, default w's dtype),
+    dvn [B, T, HV, V] (dL/dv_new, w's dtype), dh0 [N, HV, K, V] fp32 or None)``.
+    ``segment_chunks``: None heuristic, -1 never, n > 0 split every sequence into segments of n chunks that run in
+    parallel (local pass + K x K transitions, a short sequential merge, then the final pass).
+    """
+    B, T, H, K = q.shape
+    HV, V = do.shape[2], do.shape[3]
+    C = int(chunk_size)
+    dev = q.device
+    ci = chunk_index if chunk_index is not None else prepare_chunk_indices(cu_seqlens, T, C, B, device=dev)
+    sdt = state_dtype or w.dtype
+    acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
+    gs = torch.empty(ci.NT, HV, K, V, dtype=sdt, device=dev)
+    dvn = torch.empty(B, T, HV, V, dtype=w.dtype, device=dev)
+    dh0 = torch.empty(ci.N, HV, K, V, dtype=acc_t, device=dev) if need_dh0 else None
+    if ci.N == 0 or HV == 0:
+        return gs, dvn, dh0
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    if dht is not None:
+        dht = dht.contiguous()
+    g_cum = g_cum.contiguous()
+    l2 = bool(use_qk_l2norm_in_kernel)
+    if l2 and rq is None:
+        rq, rk = l2_rnorm(q), l2_rnorm(k)
+    BK = max(16, triton.next_power_of_2(K))
+    meta = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None, L2NORM=l2, ACC=_acc_dtype(q.dtype),
+                MM=_mm_dtype(w.dtype), PREC=_dot_precision(w.dtype, dev))
+    args = (cu_seqlens, float(scale), T, *_strides(q), *_strides(k), *_strides(do))
+    dv_local(q, k, g_cum, do, rq, rk, dvn, ci, cu_seqlens, args[1], T, args[3:], meta)
+    BV, nw, ns = _dh_config(V, dev)
+    seg = choose_reverse_segment_len(ci, HV, triton.cdiv(V, BV), dev, segment_chunks)
+    plan = plan_segments(ci, seg, dev)
+    S, segments, seg_offsets = plan.S, plan.segments, plan.seg_offsets
+    common = dict(meta, num_warps=nw, num_stages=ns)
+    if seg is None:
+        chunk_bwd_dh_kernel[(triton.cdiv(V, BV), HV, S)](
+            q, k, w, g_cum, do, rq, rk, dht, dh0, gs, dvn, segments, ci.chunk_offsets, *args,
+            VC=V, BV=BV, INIT=1 if dht is not None else 0, HAS_R=True, STORE_STEPS=True, STORE_END=need_dh0,
+            END_BY_SEG=False, **common)
+        return gs, dvn, dh0
+    # segmented: (1) local pass from zero and (2) K x K transition of every segment, in parallel over segments
+    rloc = torch.empty(S, HV, K, V, dtype=acc_t, device=dev)
+    trans = torch.empty(S, HV, K, K, dtype=acc_t, device=dev)
+    xin = torch.empty(S, HV, K, V, dtype=acc_t, device=dev)
+    chunk_bwd_dh_kernel[(triton.cdiv(V, BV), HV, S)](
+        q, k, w, g_cum, do, rq, rk, None, rloc, gs, dvn, segments, ci.chunk_offsets, *args,
+        VC=V, BV=BV, INIT=0, HAS_R=True, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True, **common)
+    BVK = min(BV, BK)
+    chunk_bwd_dh_kernel[(triton.cdiv(K, BVK), HV, S)](
+        q, k, w, g_cum, do, rq, rk, None, trans, gs, dvn, segments, ci.chunk_offsets, *args,
+        VC=K, BV=BVK, INIT=3, HAS_R=False, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True, **common)
+    # (3) sequential merge over segments (K x K times K x V per segment)
+    BVM = min(64, max(16, triton.next_power_of_2(V)))
+    chunk_bwd_dh_merge_kernel[(triton.cdiv(V, BVM), HV, ci.N)](
+        dht, dh0, trans, rloc, xin, seg_offsets, HV=HV, K=K, V=V, BK=BK, BV=BVM, HAS_DHT=dht is not None,
+        HAS_DH0=need_dh0, PREC="ieee" if acc_t == torch.float64 else tuning.chunk_bwd(dev).merge_dot,
+        num_warps=8)
+    # (4) the final pass of every segment from its true end gradient, storing gs and dvn
+    chunk_bwd_dh_kernel[(triton.cdiv(V, BV), HV, S)](
+        q, k, w, g_cum, do, rq, rk, xin, None, gs, dvn, segments, ci.chunk_offsets, *args,
+        VC=V, BV=BV, INIT=2, HAS_R=True, STORE_STEPS=True, STORE_END=False, END_BY_SEG=True, **common)
+    return gs, dvn, dh0
+
+
+__all__ = ["chunk_bwd_dh"]

@@ -1,0 +1,68 @@
+"""The chunked forward, host side: prepare -> state pass -> output (three launches; four with a segmented state pass).
+
+Shapes (``C`` = 64, ``NT`` = chunks over all sequences)::
+
+    q, k        [B, T, H, K]     strided views allowed (last dim contiguous)
+    v           [B, T, HV, V]    strided views allowed (last dim contiguous)
+    g, beta     [B, T, HV]       any strides, any float dtype; g is log-space (<= 0)
+    g_cum       [B, T, HV] fp32  chunk-local cumulative sum of g
+    Ainv        [B, T, HV, C]    row t holds row (t mod C) of (I + A)^-1 of its chunk
+    h           [NT, HV, K, V]   state at the START of every chunk (v_last order)
+    v_new       [B, T, HV, V]    u - w @ h(chunk)
+    o           [B, T, HV, V]    scale * ((exp(g_cum) q_hat) @ h + ((q_hat k_hat^T) * Gamma, causal) @ v_new)
+
+with ``A = strictLower(diag(beta) (Gamma * K_hat K_hat^T))``, ``Gamma_ij = exp(g_cum_i - g_cum_j)`` (i >= j). Every
+exponent is the exp of a non-positive difference of cumulative gates; state arithmetic is fp32. Tuning: the
+``chunk_fwd`` table of :mod:`gdn.kernels.tuning`.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import tuning
+from ..common import l2_rnorm
+from .common import CHUNK_SIZE, _check_chunk_size, _dot_dtype, _empty
+from .output import chunk_output
+from .plan import prepare_chunk_indices
+from .prepare import chunk_fwd_prepare
+from .state import chunk_state_pass
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
+                               cu_seqlens=None, chunk_size=CHUNK_SIZE, use_qk_l2norm_in_kernel=False, *,
+                               state_layout="v_last", state_indices=None, final_state=None,
+                               segment_chunks=None, h_dtype=None, store_ainv=False, cu_seqlens_cpu=None):
+    """The whole forward. Returns ``(o [B, T, HV, V] in v's dtype, final state or None, aux dict)``.
+
+    ``initial_state``/``final_state``/``state_indices`` as in :func:`chunk_state_pass`; aux holds the intermediates
+    (g_cum, Ainv when ``store_ainv`` (tensor-core dtype, fp32 with the tuning field ``chunk_fwd.ainv_dtype`` = "fp32"), h, v_new,
+    chunk_index, rq / rk (the L2 row scalings, fp32 [B, T, H], None without the L2 norm)).
+    ``cu_seqlens_cpu``: host copy of cu_seqlens (nothing read back from the device; :func:`prepare_chunk_indices`)."""
+    _check_chunk_size(chunk_size)
+    B, T, H, K = q.shape
+    ci = prepare_chunk_indices(cu_seqlens, T, chunk_size, B, device=q.device, cu_seqlens_cpu=cu_seqlens_cpu)
+    dt = _dot_dtype(k, v)
+    cfg = tuning.chunk_fwd(q.device)
+    from_ainv = cfg.state_mode == "ainv"
+    a_dtype = torch.float32 if cfg.ainv_dtype == "fp32" else dt
+    l2 = bool(use_qk_l2norm_in_kernel)
+    rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
+    rq = l2_rnorm(q) if l2 else None
+    g_cum, ainv, w, u = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
+                                          store_ainv=store_ainv or from_ainv, store_wu=not from_ainv,
+                                          chunk_index=ci, ainv_dtype=a_dtype, rk=rk)
+    if h_dtype is None:
+        h_dtype = torch.float32 if cfg.h_dtype == "fp32" else dt
+    h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
+                                    use_qk_l2norm_in_kernel, v=v if from_ainv else None,
+                                    beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,
+                                    h_dtype=h_dtype, state_layout=state_layout, final_state=final_state,
+                                    state_indices=state_indices, segment_chunks=segment_chunks, chunk_index=ci,
+                                    rk=rk)
+    P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
+    o = chunk_output(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
+                     out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rq=rq, rk=rk)
+    return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rq=rq, rk=rk)
+
+
+__all__ = ["chunk_gated_delta_rule_fwd"]

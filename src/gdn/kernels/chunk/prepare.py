@@ -1,0 +1,309 @@
+"""Prepare kernel of the chunked forward: per (chunk, value head) the chunk-local gate cumsum, ``K K^T``, the
+triangular solve ``Ainv = (I + A)^-1`` and ``W``/``U`` (also: ``W``/``U`` recomputed from a stored Ainv for the
+backward, and the gate cumsum alone).
+
+Math (one chunk of C = 64 tokens, one value head; ``k_hat = r_k k`` with ``r_k = rsqrt(|k|^2 + 1e-6)`` when the
+in-kernel L2 norm is on, else ``r_k = 1``)::
+
+    1. c       = cumsum(g) inside the chunk                      (fp32, restarts at every chunk / sequence start)
+    2. A       = strictLower(diag(beta) (Gamma * K_hat K_hat^T)),  Gamma_ij = exp(c_i - c_j)  (i >= j)
+    3. Ainv    = (I + A)^-1      (16x16 diagonal blocks by forward substitution, merged with four 64x64 products)
+    4. W       = Ainv diag(beta exp(c)) K_hat,     U = Ainv diag(beta) V
+
+Layouts (``NT`` chunks over all sequences; ``[B, T, ...]`` intermediates are contiguous, inputs may be strided)::
+
+    k [B, T, H, K], v [B, T, HV, V]      last dim contiguous, any other strides
+    g, beta [B, T, HV]                   any strides, any float dtype
+    g_cum [B, T, HV] fp32                c of step 1
+    Ainv [B, T, HV, 64]                  row t = row (t - chunk start) of its chunk's inverse (columns = positions)
+    w [B, T, HV, K], u [B, T, HV, V]     tensor-core dtype (bf16 for bf16 inputs)
+    rk [B, T, H] fp32                    r_k per key head (optional output)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import tuning
+from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _load_tile,
+                     _pow2, _rn, _seq_span, _strides3)
+from .plan import ChunkIndex, get_chunk_index
+
+
+@triton.jit
+def _dotp(a, b, PREC: tl.constexpr):
+    """fp32 a @ b for the triangular solve: PREC "bf16" rounds both operands to bfloat16, anything else is the
+    ``input_precision`` of an fp32 tensor-core product ("tf32", "tf32x3", "ieee")."""
+    if PREC == "bf16":
+        r = _dot(_rn(a, tl.bfloat16), _rn(b, tl.bfloat16), "ieee")
+    else:
+        r = tl.dot(a, b, input_precision=PREC)
+    return r
+
+
+@triton.jit
+def _unit_lower_inverse64(A, PREC: tl.constexpr):
+    """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A.
+
+    The four 16x16 diagonal blocks D_b are inverted by forward substitution, all four at once on a [4, 16, 16] stack
+    (15 sequential row steps). The stack is cut from A's rows, so each warp of the product's layout holds its own
+    block (no replicated work, no cross-warp traffic in the loop), and the inverses are kept transposed
+    (``YT[b, j, k] = Y_b[k, j]``) so the row taken out of D in each step already lies along the axis it is multiplied
+    over. With Dinv the block-diagonal inverse and L the blocks below the diagonal, I + A = D (I + M) with
+    M = Dinv L strictly block-lower (M^4 = 0), so (I + A)^-1 = (I - M + M^2 - M^3) Dinv: four 64x64 products."""
+    r16 = tl.arange(0, 16)
+    r4 = tl.arange(0, 4)
+    same_block = r4[:, None, None, None] == r4[None, None, :, None]
+    # A4[b, i, c, k] = A[16 b + i, 16 c + k]; the diagonal blocks are c == b
+    D = tl.sum(tl.where(same_block, tl.reshape(A, (4, 16, 4, 16)), 0.0), axis=2)     # [b, i, k] = D_b[i, k]
+    YT = tl.zeros([4, 16, 16], tl.float32) + tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)[None, :, :]
+    for i in range(1, 16):
+        a_i = tl.sum(tl.where(r16[None, :, None] == i, D, 0.0), axis=1)             # [b, k] = D_b[i, k]
+        y_i = tl.sum(a_i[:, None, :] * YT, axis=2)                                   # [b, j] = (D_b Y_b)[i, j]
+        YT = tl.where(r16[None, None, :] == i, tl.where(r16 == i, 1.0, 0.0)[None, :, None] - y_i[:, :, None], YT)
+    # Dinv[16 b + k, 16 c + j] = (b == c) Y_b[k, j]
+    Dinv = tl.reshape(tl.where(same_block, tl.permute(YT, (0, 2, 1))[:, :, None, :], 0.0), (64, 64))
+    r64 = tl.arange(0, 64)
+    L = tl.where((r64[:, None] // 16) > (r64[None, :] // 16), A, 0.0)
+    M = _dotp(Dinv, L, PREC)
+    M2 = _dotp(M, M, PREC)
+    X = tl.where(r64[:, None] == r64[None, :], 1.0, 0.0) - M + M2 - _dotp(M, M2, PREC)
+    return _dotp(X, Dinv, PREC)
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_prepare_kernel(
+    k, v, g, beta, gcum, ainv, w, u, rk_out, chunk_indices, cu_seqlens, T,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, G_IS_CUM: tl.constexpr, STORE_G: tl.constexpr,
+    STORE_A: tl.constexpr, LOAD_A: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
+    STORE_RK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+):
+    """One program per (chunk, value head): g_cum (chunk-local cumsum), A = strictLower(diag(beta r_k) (Gamma * K K^T)
+    diag(r_k)) with r_k the L2 row scalings, Ainv = (I + A)^-1 (stored as [64, 64] rows of the [B, T, HV, 64] buffer),
+    W = Ainv diag(beta exp(g) r_k) K, U = Ainv diag(beta) V; r_k stored per key head ([B, T, H] fp32) when asked.
+    LOAD_A: Ainv is read instead of computed (recompute of W / U)."""
+    i_t = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    n = tl.load(chunk_indices + 2 * i_t)
+    c = tl.load(chunk_indices + 2 * i_t + 1)
+    i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
+    i_h = i_hv // (HV // H)
+    t0 = bos + c.to(tl.int64) * 64
+    to = tl.arange(0, 64)
+    rows = t0 + to
+    m = rows < eos
+    tok0 = i_b * T  # row offset of this batch row in the [B, T, HV, ...] intermediates
+    trow = (tok0 + rows) * HV + i_hv
+
+    # ---- gates: chunk-local cumulative sum (fp32) and beta
+    b_g = tl.load(g + i_b * s_gb + i_hv * s_gh + rows * s_gt, mask=m, other=0.0).to(tl.float32)
+    if not G_IS_CUM:
+        b_g = tl.cumsum(b_g, axis=0)
+    if STORE_G:
+        tl.store(gcum + trow, b_g, mask=m)
+    b_beta = tl.load(beta + i_b * s_bb + i_hv * s_bh + rows * s_bt, mask=m, other=0.0).to(tl.float32)
+
+    k_base = k + i_b * s_kb + i_h * s_kh
+    a_ptr = ainv + trow[:, None] * 64 + to[None, :]
+    if LOAD_A:
+        b_ai = tl.load(a_ptr, mask=m[:, None], other=0.0).to(tl.float32)
+        rk = tl.full([64], 1.0, tl.float32)
+        if USE_L2:
+            ss = tl.zeros([64], tl.float32)
+            for i_k in range(0, tl.cdiv(K, BK)):
+                ok = i_k * BK + tl.arange(0, BK)
+                kf = _load_tile(k_base, rows, m, ok, ok < K, s_kt).to(tl.float32)
+                ss += tl.sum(kf * kf, axis=1)
+            rk = tl.rsqrt(ss + 1e-6)
+    else:
+        # ---- K K^T (one 64 x 64 product over K tiles) and the squared row norms
+        acc = tl.zeros([64, 64], tl.float32)
+        ss = tl.zeros([64], tl.float32)
+        for i_k in range(0, tl.cdiv(K, BK)):
+            ok = i_k * BK + tl.arange(0, BK)
+            b_k = _load_tile(k_base, rows, m, ok, ok < K, s_kt)
+            if USE_L2:
+                kf = b_k.to(tl.float32)
+                ss += tl.sum(kf * kf, axis=1)
+            b_k = _rn(b_k, DT)
+            acc += _dot(b_k, tl.trans(b_k), PREC)
+        if USE_L2:
+            rk = tl.rsqrt(ss + 1e-6)
+        else:
+            rk = tl.full([64], 1.0, tl.float32)
+        low = to[:, None] > to[None, :]
+        A = tl.where(low, acc * (b_beta * rk)[:, None] * rk[None, :] *
+                     tl.exp(tl.where(low, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+        b_ai = _unit_lower_inverse64(A, SOLVE_PREC)
+        if STORE_A:
+            tl.store(a_ptr, _rn(b_ai, ainv.dtype.element_ty), mask=m[:, None])
+    if STORE_RK:
+        tl.store(rk_out + (tok0 + rows) * H + i_h, rk, mask=m & (i_hv % (HV // H) == 0))
+
+    if STORE_W or STORE_U:
+        b_j = _rn(b_ai, DT)
+    if STORE_W:
+        # W = Ainv @ (beta * exp(g_cum) * k_hat)
+        f = b_beta * tl.exp(b_g) * rk
+        for i_k in range(0, tl.cdiv(K, BK)):
+            ok = i_k * BK + tl.arange(0, BK)
+            mk = ok < K
+            x = _rn(_load_tile(k_base, rows, m, ok, mk, s_kt).to(tl.float32) * f[:, None], DT)
+            tl.store(w + trow[:, None] * K + ok[None, :], _rn(_dot(b_j, x, PREC), w.dtype.element_ty),
+                     mask=m[:, None] & mk[None, :])
+    if STORE_U:
+        # U = Ainv @ (beta * v)
+        v_base = v + i_b * s_vb + i_hv * s_vh
+        for i_v in range(0, tl.cdiv(V, BV)):
+            ov = i_v * BV + tl.arange(0, BV)
+            mv = ov < V
+            x = _rn(_load_tile(v_base, rows, m, ov, mv, s_vt).to(tl.float32) * b_beta[:, None], DT)
+            tl.store(u + trow[:, None] * V + ov[None, :], _rn(_dot(b_j, x, PREC), u.dtype.element_ty),
+                     mask=m[:, None] & mv[None, :])
+
+
+def _solve_precision(cfg, dt: torch.dtype, store_dtype: torch.dtype) -> str:
+    """Precision of the 64x64 products of the triangular solve: the ``chunk_fwd.solve_precision`` field, where "auto" means tf32
+    when the result is stored in half precision from half inputs (the forward), else tf32x3 (~fp32)."""
+    p = cfg.solve_precision
+    if p != "auto":
+        return p
+    half = (torch.bfloat16, torch.float16)
+    return "tf32" if (dt in half and store_dtype in half) else "tf32x3"
+
+
+def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                      cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
+                      use_qk_l2norm_in_kernel: bool = False, *, store_ainv: bool = True, store_wu: bool = True,
+                      g_is_cumsum: bool = False, out_dtype: Optional[torch.dtype] = None,
+                      chunk_index: Optional[ChunkIndex] = None, ainv_dtype: torch.dtype = torch.float32,
+                      rk: Optional[torch.Tensor] = None):
+    """Fused cumsum + K K^T + triangular solve + W/U.
+
+    k [B, T, H, K], v [B, T, HV, V] (strided, last dim contiguous), g, beta [B, T, HV] (any float dtype; g log-space,
+    or already the chunk-local cumsum when ``g_is_cumsum``).
+    Returns ``(g_cum [B, T, HV] fp32, Ainv [B, T, HV, 64] (``ainv_dtype``, default fp32) or None,
+    w [B, T, HV, K] or None, u [B, T, HV, V] or None)``; w/u in ``out_dtype`` (default: the tensor-core dtype of k/v,
+    i.e. bf16 for bf16 inputs). Ainv row t holds row (t - chunk start) of its chunk's (I + A)^-1 (no beta factor).
+    ``rk``: optional fp32 [B, T, H] buffer that receives the L2 row scalings 1 / |k_t| (with the L2 norm on).
+    """
+    _check_chunk_size(chunk_size)
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = k.device
+    cfg = tuning.chunk_fwd(dev)
+    ci = get_chunk_index(cu_seqlens, T, B, chunk_size, chunk_index, dev)
+    dt = _dot_dtype(k, v)
+    out_dtype = out_dtype or dt
+    g_cum = g if (g_is_cumsum and g.dtype == torch.float32 and g.is_contiguous()) else \
+        _empty(B, T, HV, device=dev, dtype=torch.float32)
+    store_g = g_cum is not g
+    ainv = _empty(B, T, HV, CHUNK_SIZE, device=dev, dtype=ainv_dtype) if store_ainv else None
+    w = _empty(B, T, HV, K, device=dev, dtype=out_dtype) if store_wu else None
+    u = _empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_wu else None
+    if ci.NT == 0 or HV == 0:
+        return g_cum, ainv, w, u
+    dummy = g_cum
+    BK = min(int(cfg.prepare_BK), _pow2(K))
+    BV = min(int(cfg.prepare_BV), _pow2(V))
+    store_rk = rk is not None and bool(use_qk_l2norm_in_kernel)
+    _launch(_chunk_prepare_kernel, (ci.NT, HV),
+        k, v, g, beta, g_cum, ainv if ainv is not None else dummy, w if w is not None else dummy,
+        u if u is not None else dummy, rk if store_rk else dummy, ci.chunk_indices,
+        _cu_arg(cu_seqlens, ci.chunk_offsets), T,
+        *_strides3(k), *_strides3(v), *_strides3(g), *_strides3(beta),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
+        G_IS_CUM=bool(g_is_cumsum), STORE_G=store_g, STORE_A=store_ainv, LOAD_A=False, STORE_W=store_wu,
+        STORE_U=store_wu, STORE_RK=store_rk, DT=_TL[dt], PREC=cfg.fp32_dot_precision,
+        SOLVE_PREC=_solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype),
+        num_warps=int(cfg.prepare_warps), num_stages=int(cfg.prepare_stages),
+        maxnreg=cfg.prepare_maxnreg,
+    )
+    return g_cum, ainv, w, u
+
+
+def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = CHUNK_SIZE, cu_seqlens: Optional[torch.Tensor] = None,
+                       chunk_index: Optional[ChunkIndex] = None) -> torch.Tensor:
+    """Chunk-local cumulative sum of g [B, T, HV] (any float dtype, any strides) -> fp32 [B, T, HV]; restarts at
+    every chunk of ``chunk_size`` tokens counted from each sequence start."""
+    _check_chunk_size(chunk_size)
+    B, T, HV = g.shape
+    dev = g.device
+    ci = get_chunk_index(cu_seqlens, T, B, chunk_size, chunk_index, dev)
+    out = _empty(B, T, HV, device=dev, dtype=torch.float32)
+    if ci.NT == 0 or HV == 0:
+        return out
+    _launch(_chunk_cumsum_kernel, (ci.NT, HV), g, out, ci.chunk_indices, _cu_arg(cu_seqlens, ci.chunk_offsets), T,
+                                      *_strides3(g), HV=HV, IS_VARLEN=ci.is_varlen)
+    return out
+
+
+@triton.jit(do_not_specialize=["T"])
+def _chunk_cumsum_kernel(g, out, chunk_indices, cu_seqlens, T, s_gb, s_gt, s_gh, HV: tl.constexpr,
+                         IS_VARLEN: tl.constexpr):
+    i_t = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    n = tl.load(chunk_indices + 2 * i_t)
+    c = tl.load(chunk_indices + 2 * i_t + 1)
+    i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
+    rows = bos + c.to(tl.int64) * 64 + tl.arange(0, 64)
+    m = rows < eos
+    x = tl.load(g + i_b * s_gb + rows * s_gt + i_hv * s_gh, mask=m, other=0.0).to(tl.float32)
+    tl.store(out + (i_b * T + rows) * HV + i_hv, tl.cumsum(x, axis=0), mask=m)
+
+
+def chunk_scaled_dot_kkt_solve(k: torch.Tensor, g_cum: torch.Tensor, beta: torch.Tensor,
+                               cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
+                               use_qk_l2norm_in_kernel: bool = False, *, HV: Optional[int] = None,
+                               chunk_index: Optional[ChunkIndex] = None) -> torch.Tensor:
+    """Ainv = (I + strictLower(diag(beta) (Gamma * K_hat K_hat^T)))^-1 per chunk, fp32 [B, T, HV, 64].
+
+    k [B, T, H, K]; g_cum [B, T, HV] (chunk-local cumsum, e.g. from :func:`chunk_local_cumsum`); beta [B, T, HV].
+    Row t holds row (t - chunk start) of its chunk's inverse; columns beyond the chunk's end are zero.
+    """
+    B, T, H, K = k.shape
+    HV = g_cum.shape[2]
+    v_dummy = k.new_empty(1).expand(B, T, HV, 16)  # not read
+    _, ainv, _, _ = chunk_fwd_prepare(k, v_dummy, g_cum, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
+                                      store_ainv=True, store_wu=False, g_is_cumsum=True, chunk_index=chunk_index)
+    return ainv
+
+
+def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: torch.Tensor, g_cum: torch.Tensor,
+                  cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
+                  use_qk_l2norm_in_kernel: bool = False, *, out_dtype: Optional[torch.dtype] = None,
+                  chunk_index: Optional[ChunkIndex] = None, store_u: bool = True):
+    """w = Ainv @ (beta * exp(g_cum) * k_hat) [B, T, HV, K], u = Ainv @ (beta * v) [B, T, HV, V] from a stored Ainv
+    (fp32 [B, T, HV, 64], as returned by :func:`chunk_scaled_dot_kkt_solve`). Output dtype: ``out_dtype`` or the
+    tensor-core dtype of k/v. ``store_u=False``: only w (u is returned as None)."""
+    _check_chunk_size(chunk_size)
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    dev = k.device
+    cfg = tuning.chunk_fwd(dev)
+    ci = get_chunk_index(cu_seqlens, T, B, chunk_size, chunk_index, dev)
+    dt = _dot_dtype(k, v)
+    out_dtype = out_dtype or dt
+    w = _empty(B, T, HV, K, device=dev, dtype=out_dtype)
+    u = _empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_u else None
+    if ci.NT == 0 or HV == 0:
+        return w, u
+    ainv = ainv.contiguous()
+    g_cum = g_cum.float().contiguous()
+    BK = min(int(cfg.prepare_BK), _pow2(K))
+    BV = min(int(cfg.prepare_BV), _pow2(V))
+    _launch(_chunk_prepare_kernel, (ci.NT, HV),
+        k, v, g_cum, beta, g_cum, ainv, w, u if store_u else w, g_cum, ci.chunk_indices,
+        _cu_arg(cu_seqlens, ci.chunk_offsets), T, *_strides3(k), *_strides3(v), *_strides3(g_cum), *_strides3(beta),
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
+        G_IS_CUM=True, STORE_G=False, STORE_A=False, LOAD_A=True, STORE_W=True, STORE_U=store_u, STORE_RK=False,
+        DT=_TL[dt], PREC=cfg.fp32_dot_precision, SOLVE_PREC="ieee",
+        num_warps=int(cfg.prepare_warps), num_stages=int(cfg.prepare_stages),
+        maxnreg=cfg.prepare_maxnreg,
+    )
+    return w, u

@@ -1,0 +1,107 @@
+"""Long sequences split into segments (forward state pass).
+
+With few sequences x heads the plain state pass leaves most SMs idle. Every sequence is then cut into segments of L
+chunks (:func:`gdn.kernels.chunk.plan.choose_segment_len`), and the state pass (:mod:`.state`) runs three times:
+
+1. per segment s, in parallel: the local state H_s from zero with the true v, and the K x K transition P_s (the pass
+   from the identity with v = 0), both in one launch (INIT 3);
+2. here, sequentially per sequence: S_{s+1} = P_s S_s + H_s from the sequence's initial state (the true start state
+   of every segment, fp32 [S, HV, K, V]); the last one is the final state;
+3. per segment again, from S_s: h and v_new of every chunk.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import tuning
+from .common import _launch, _pow2, _rn, _state_row
+
+
+@triton.jit(do_not_specialize=["P0", "P1"])
+def _chunk_merge_kernel(
+    h0, ht, h0_idx, ht_idx, trans, hloc, hs, seg_offsets, P0, P1,
+    s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+    HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, H0_INDEXED: tl.constexpr, STORE_FINAL: tl.constexpr, HT_INDEXED: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Sequential merge of one sequence's segment states, one V tile of one value head.
+
+    Program -> work: ``program_id(0)`` = V tile (BV columns), ``program_id(1)`` = value head, ``program_id(2)`` =
+    sequence n (its segments are ``seg_offsets[n] .. seg_offsets[n + 1]``).
+
+    1. hs[s0] = h0[n] (row through h0_idx when H0_INDEXED; zeros without h0 or for an invalid row);
+    2. for s = s0 .. s1 - 1: hs[s + 1] = trans[s] @ hs[s] + hloc[s] over K tiles (each step reads what the previous
+       one wrote: a barrier between steps, reads through L2);
+    3. STORE_FINAL: the last value -> ht[n] (row through ht_idx when HT_INDEXED).
+
+    Layouts: trans [S, HV, K, K], hloc / hs [S, HV, K, V] fp32 contiguous; h0 / ht with strides (s0n, s0h, s0k, s0v)
+    / (s1n, ...), so either state layout."""
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    n = tl.program_id(2)
+    s0 = tl.load(seg_offsets + n)
+    s1 = tl.load(seg_offsets + n + 1)
+    ov = i_v * BV + tl.arange(0, BV)
+    mv = ov < V
+    ob = tl.arange(0, BK)
+    # rows of the sequence's start state (h0) and final state (ht)
+    row, ok0 = _state_row(h0_idx, n, n, P0, False, H0_INDEXED)
+    row1, ok1 = _state_row(ht_idx, n, n, P1, False, HT_INDEXED)
+    for i_k in range(0, tl.cdiv(K, BK)):
+        okk = i_k * BK + ob
+        m = (okk < K)[:, None] & mv[None, :]
+        if HAS_H0:
+            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v, mask=m & ok0,
+                        other=0.0).to(tl.float32)
+        else:
+            x = tl.zeros([BK, BV], tl.float32)
+        tl.store(hs + ((s0.to(tl.int64) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x, mask=m)
+    tl.debug_barrier()
+    for s64 in range(s0.to(tl.int64), s1.to(tl.int64)):
+        for i_k in range(0, tl.cdiv(K, BK)):
+            okk = i_k * BK + ob
+            m = (okk < K)[:, None] & mv[None, :]
+            acc = tl.load(hloc + ((s64 * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], mask=m, other=0.0)
+            for j_k in range(0, tl.cdiv(K, BK)):
+                ojj = j_k * BK + ob
+                mj = ojj < K
+                pm = tl.load(trans + ((s64 * HV + i_hv) * K + okk[:, None]) * K + ojj[None, :],
+                             mask=(okk < K)[:, None] & mj[None, :], other=0.0)
+                # written by this program in the previous step (barrier in between): read through L2
+                xs = tl.load(hs + ((s64 * HV + i_hv) * K + ojj[:, None]) * V + ov[None, :],
+                             mask=mj[:, None] & mv[None, :], other=0.0, cache_modifier=".cg")
+                acc = tl.dot(pm, xs, acc, input_precision=PREC)
+            tl.store(hs + (((s64 + 1) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], acc,
+                     mask=m & (s64 + 1 < s1))
+            if STORE_FINAL:
+                tl.store(ht + row1 * s1n + i_hv * s1h + okk[:, None] * s1k + ov[None, :] * s1v,
+                         _rn(acc, ht.dtype.element_ty), mask=m & ok1 & (s64 + 1 == s1))
+        tl.debug_barrier()
+
+
+def merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy):
+    """Step 2: the start state of every segment, fp32 [S, HV, K, V] (and the final state into ``ht`` when given).
+    trans [S, HV, K, K], hloc [S, HV, K, V] fp32; initial_state / ht with their (row, head, K, V) strides s0 / s1
+    (pool rows through ``idx`` when given)."""
+    S, HV, K, V = hloc.shape
+    cfg = tuning.chunk_fwd(hloc.device)
+    hs = torch.empty(S, HV, K, V, device=hloc.device, dtype=torch.float32)
+    if cfg.debug_poison:
+        hs.fill_(float("nan"))
+    P = initial_state.shape[0] if initial_state is not None else 0
+    P1 = ht.shape[0] if ht is not None else 0
+    BKM = min(int(cfg.merge_BK), _pow2(K))
+    BVM = min(int(cfg.merge_BV), _pow2(V))
+    _launch(_chunk_merge_kernel, (triton.cdiv(V, BVM), HV, ci.N),
+        initial_state if initial_state is not None else dummy, ht if ht is not None else dummy,
+        idx if idx is not None else ci.chunk_offsets, idx if idx is not None else ci.chunk_offsets,
+        trans, hloc, hs, plan.seg_offsets, P, P1, *s0, *s1, HV=HV, K=K, V=V, BK=BKM, BV=BVM,
+        HAS_H0=initial_state is not None, H0_INDEXED=idx is not None, STORE_FINAL=ht is not None,
+        HT_INDEXED=idx is not None, PREC=cfg.merge_precision, num_warps=int(cfg.merge_warps))
+    return hs
+
+
+__all__ = ["merge_segment_states"]

@@ -1,0 +1,317 @@
+"""The sequential state pass of the chunked forward: the start state h of every chunk and v_new, from Ainv / v / beta
+(default) or from stored W / U (the backward's recompute), with the long-sequence split of :mod:`.segments`.
+
+Layouts: k [B, T, H, K] (strided, raw: the L2 norm enters as row factors r_k [B, T, H] fp32); v [B, T, HV, V]
+(strided); beta [B, T, HV] (any strides); Ainv [B, T, HV, 64]; w [B, T, HV, K], u / v_new [B, T, HV, V]; g_cum
+[B, T, HV] fp32; h [NT, HV, K, V] (v_last order, chunk rows from ``ChunkIndex.chunk_offsets``); initial / final states
+[N or P, HV, K, V] (v_last) or [.., V, K] (k_last), any strides, optionally a pool addressed by ``state_indices``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import tuning
+from ..common import l2_rnorm
+from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _pow2, _rn,
+                     _seq_span, _state_row, _strides3)
+from . import hopper
+from .plan import ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, plan_segments
+from .segments import merge_segment_states
+
+
+def _state_bv(K: int, V: int, device=None) -> int:
+    """V tile of the state pass: the ``chunk_fwd.state_BV`` tuning field, or automatic (0): 32 for K > 128 (register
+    budget: no spills at 4 warps on sm_90), else 64."""
+    bv = int(tuning.chunk_fwd(device).state_BV) or (32 if K > 128 else 64)
+    return max(16, min(bv, _pow2(V)))
+
+
+@triton.jit
+def _dot_h(a, h, h_dt, DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr):
+    """a @ h for an fp32 state h (``h_dt`` = h rounded to DT): with SPLIT_H (half-precision DT), h = hi + lo in two
+    half-precision parts, so the product is nearly fp32-exact at twice the tensor-core work (this product is
+    subtracted from v: cancellation)."""
+    r = _dot(a, h_dt, PREC)
+    if SPLIT_H:
+        r += _dot(a, _rn((h - h_dt.to(tl.float32)), DT), PREC)
+    return r
+
+
+@triton.jit(do_not_specialize=["T", "P0", "P1"])
+def _chunk_state_kernel(
+    k, v, beta, ainv, w, u, gcum, rk_in, h_out, vnew, h0, ht, h0_idx, ht_idx, segments, chunk_offsets, cu_seqlens,
+    T, P0, P1, NV,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_bb, s_bt, s_bh,
+    s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, KP: tl.constexpr, BV: tl.constexpr,
+    USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, FROM_AINV: tl.constexpr,
+    INIT: tl.constexpr, H0_BY_SEG: tl.constexpr, H0_INDEXED: tl.constexpr,
+    HAS_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VNEW: tl.constexpr,
+    STORE_FINAL: tl.constexpr, HT_BY_SEG: tl.constexpr, HT_INDEXED: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr,
+):
+    """The sequential pass of one (V tile, value head, segment) over the segment's chunks; h [K, BV] fp32 in registers.
+
+    Program -> work: ``program_id(0)`` = V tile i_v (with INIT 3: i_v < NV local-state tiles, i_v >= NV transition
+    tiles of K columns), ``program_id(1)`` = value head i_hv (key head i_hv // (HV / H)), ``program_id(2)`` = segment
+    i_s (row of ``segments`` int32 [S, 3] = (sequence n, first chunk, end chunk); one per sequence unsegmented).
+
+    Per chunk c (r_k = L2 row scalings of k from ``rk_in`` [B, T, H] fp32; k enters the products raw, the row factors
+    go on the [64, BV] sides; g_cum [B, T, HV] fp32, g_last = g_cum at the chunk's last valid token):
+
+    1. STORE_H: ``h_out[chunk_offsets[n] + c, i_hv]`` <- h (start state of the chunk; h_out [NT, HV, K, V]).
+    2. v_new = Ainv @ (beta * (v - diag(exp(g_cum) r_k) (k @ h)))   (FROM_AINV; Ainv [B, T, HV, 64], v strided)
+       or v_new = U - W h                                             (stored w [B, T, HV, K], u [B, T, HV, V]).
+       STORE_VNEW: ``vnew`` [B, T, HV, V] <- v_new.
+    3. h = exp(g_last) h + k^T (diag(exp(g_last - g_cum) r_k) v_new).
+
+    INIT: 0 = zeros, 1 = from h0 (row = segment or sequence, optionally through h0_idx with -1/out-of-range = zeros),
+    2 = identity (transition matrix; then V == K and HAS_U is False: v / u are taken as zero),
+    3 = both passes of a segmented run in one launch: programs i_v < NV run the local pass from zero (final -> ht,
+    row = segment), programs i_v >= NV the transition matrix from the identity without v (final -> h0, row =
+    segment, with h0's strides). States h0 / ht: any strides (s0* / s1*: row, head, K, V), so v_last [.., K, V] and
+    k_last [.., V, K] are both read and written in place; STORE_FINAL writes the state after the last chunk.
+    """
+    i_v = tl.program_id(0)
+    i_hv = tl.program_id(1)
+    i_s = tl.program_id(2)
+    n = tl.load(segments + 3 * i_s)
+    c_beg = tl.load(segments + 3 * i_s + 1)
+    c_end = tl.load(segments + 3 * i_s + 2)
+    i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
+    i_h = i_hv // (HV // H)
+    tok0 = i_b * T
+    ok = tl.arange(0, KP)
+    mk = ok < K
+    if INIT == 3:
+        is_t = i_v >= NV
+        not_t = i_v < NV
+        ov = tl.where(is_t, i_v - NV, i_v) * BV + tl.arange(0, BV)
+        mv = ov < tl.where(is_t, K, V)
+    else:
+        not_t = True
+        ov = i_v * BV + tl.arange(0, BV)
+        mv = ov < V
+    m_kv = mk[:, None] & mv[None, :]
+
+    if INIT == 1:
+        row, ok0 = _state_row(h0_idx, i_s, n, P0, H0_BY_SEG, H0_INDEXED)
+        p0 = h0 + row * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v
+        h = tl.load(p0, mask=m_kv & ok0, other=0.0).to(tl.float32)
+    elif INIT == 2:
+        h = tl.where((ok[:, None] == ov[None, :]) & m_kv, 1.0, 0.0)
+    elif INIT == 3:
+        h = tl.where((ok[:, None] == ov[None, :]) & m_kv & is_t, 1.0, 0.0)
+    else:
+        h = tl.zeros([KP, BV], tl.float32)
+
+    choff = tl.load(chunk_offsets + n).to(tl.int64)
+    k_base = k + i_b * s_kb + i_h * s_kh
+    v_base = v + i_b * s_vb + i_hv * s_vh
+    b_base = beta + i_b * s_bb + i_hv * s_bh
+    to = tl.arange(0, 64)
+    if FROM_AINV:
+        # beta (16-bit, strided: not copied asynchronously by the pipeliner) is loaded one chunk ahead, at the top of
+        # the previous chunk, so its latency is off the chain of products
+        rows_n = bos + c_beg.to(tl.int64) * 64 + to
+        beta_next = tl.load(b_base + rows_n * s_bt, mask=rows_n < eos, other=0.0)
+    for c in range(c_beg.to(tl.int64), c_end.to(tl.int64)):
+        t0 = bos + c * 64
+        rows = t0 + to
+        m = rows < eos
+        trow = (tok0 + rows) * HV + i_hv
+        if FROM_AINV:
+            b_beta = beta_next.to(tl.float32)
+            rows_n = rows + 64
+            beta_next = tl.load(b_base + rows_n * s_bt, mask=(rows_n < eos) & (c + 1 < c_end), other=0.0)
+        if STORE_H:
+            hp = h_out + ((choff + c) * HV + i_hv) * (K * V) + ok[:, None] * V + ov[None, :]
+            tl.store(hp, _rn(h, h_out.dtype.element_ty), mask=m_kv)
+        b_g = tl.load(gcum + trow, mask=m, other=0.0)
+        last = tl.minimum(t0 + 64, eos) - 1
+        g_last = tl.load(gcum + (tok0 + last) * HV + i_hv)
+        b_k = _rn(tl.load(k_base + rows[:, None] * s_kt + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
+        if USE_L2:
+            rk = tl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
+        else:
+            rk = tl.where(m, 1.0, 0.0)
+        h_dt = _rn(h, DT)
+        if FROM_AINV:
+            b_r = -_dot_h(b_k, h, h_dt, DT, PREC, SPLIT_H) * (tl.exp(b_g) * rk)[:, None]
+            if HAS_U:
+                b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
+                               other=0.0).to(tl.float32)
+            b_a = _rn(tl.load(ainv + trow[:, None] * 64 + to[None, :], mask=m[:, None], other=0.0), DT)
+            b_v = _dot(b_a, _rn(b_r * b_beta[:, None], DT), PREC)
+        else:
+            b_w = _rn(tl.load(w + trow[:, None] * K + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
+            b_v = -_dot_h(b_w, h, h_dt, DT, PREC, SPLIT_H)
+            if HAS_U:
+                b_v += tl.load(u + trow[:, None] * V + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
+                               other=0.0).to(tl.float32)
+        if STORE_VNEW:
+            tl.store(vnew + trow[:, None] * V + ov[None, :], _rn(b_v, vnew.dtype.element_ty),
+                     mask=m[:, None] & mv[None, :])
+        dec = tl.where(m, tl.exp(g_last - b_g), 0.0) * rk
+        h = h * tl.exp(g_last) + _dot(tl.trans(b_k), _rn(b_v * dec[:, None], DT), PREC)
+
+    if INIT == 3:
+        rs = i_s.to(tl.int64)
+        tl.store(ht + rs * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v, _rn(h, ht.dtype.element_ty),
+                 mask=m_kv & not_t)
+        tl.store(h0 + rs * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v, _rn(h, h0.dtype.element_ty),
+                 mask=m_kv & is_t)
+    elif STORE_FINAL:
+        row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
+        p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
+        tl.store(p1, _rn(h, ht.dtype.element_ty), mask=m_kv & ok1)
+
+
+def _state_strides(x: Optional[torch.Tensor], layout: str):
+    if x is None:
+        return (0, 0, 0, 0)
+    if layout == "v_last":
+        return x.stride(0), x.stride(1), x.stride(2), x.stride(3)
+    return x.stride(0), x.stride(1), x.stride(3), x.stride(2)
+
+
+def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[torch.Tensor], g_cum: torch.Tensor,
+                     initial_state: Optional[torch.Tensor] = None, output_final_state: bool = False,
+                     cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
+                     use_qk_l2norm_in_kernel: bool = False, *, v: Optional[torch.Tensor] = None,
+                     beta: Optional[torch.Tensor] = None, ainv: Optional[torch.Tensor] = None,
+                     h_dtype: torch.dtype = torch.float32, vnew_dtype: Optional[torch.dtype] = None,
+                     store_h: bool = True, store_vnew: bool = True, state_layout: str = "v_last",
+                     final_state: Optional[torch.Tensor] = None, state_indices: Optional[torch.Tensor] = None,
+                     segment_chunks: Optional[int] = None, chunk_index: Optional[ChunkIndex] = None,
+                     dot_dtype: Optional[torch.dtype] = None, split_h: Optional[bool] = None,
+                     rk: Optional[torch.Tensor] = None):
+    """The sequential inter-chunk pass.
+
+    k [B, T, H, K] (raw; L2-normalised in-kernel when asked), g_cum [B, T, HV] fp32, and either
+    w [B, T, HV, K] + u [B, T, HV, V] (``v_new = u - w h``), or (pass w = u = None) ``v`` [B, T, HV, V] (strided ok),
+    ``beta`` [B, T, HV] and ``ainv`` [B, T, HV, 64] (from :func:`chunk_fwd_prepare`; any float dtype):
+    ``v_new = Ainv @ (beta * (v - (exp(g_cum) k_hat) @ h))``, which skips the w/u round trip and is more accurate.
+    initial_state: None or [N, HV, K, V] ("v_last") / [N, HV, V, K] ("k_last"), any float dtype, any strides; with
+    ``state_indices`` ([N] int, -1 = padding) it is a pool [P, HV, ...] read at rows ``state_indices[n]``.
+    Returns ``(h [NT, HV, K, V] h_dtype (start state of every chunk, v_last), v_new [B, T, HV, V], final)`` where
+    final is None unless ``output_final_state`` or ``final_state`` is given: fp32 [N, HV, ...] in ``state_layout``,
+    or written into ``final_state`` (e.g. the pool itself, rows ``state_indices[n]``, its dtype).
+    v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
+    ``segment_chunks``: None = heuristic / tuning table, -1 = never segment, n > 0 = segments of n chunks.
+    ``split_h``: compute the h product of v_new as hi + lo half-precision parts (default: ``chunk_fwd.state_split_h``).
+    ``rk``: the L2 row scalings of k (fp32 [B, T, H], from :func:`l2_rnorm` or the prepare kernel); computed here
+    when the L2 norm is on and none is given.
+    """
+    _check_chunk_size(chunk_size)
+    B, T, H, K = k.shape
+    from_ainv = ainv is not None
+    if from_ainv:
+        if v is None or beta is None:
+            raise ValueError("chunk_state_pass: ainv needs v and beta")
+        HV, V = v.shape[2], v.shape[3]
+    else:
+        HV, V = u.shape[2], u.shape[3]
+    dev = k.device
+    cfg = tuning.chunk_fwd(dev)
+    ci = get_chunk_index(cu_seqlens, T, B, chunk_size, chunk_index, dev)
+    dt = dot_dtype or (_dot_dtype(k, v) if from_ainv else _dot_dtype(k, w))
+    split_h = bool(cfg.state_split_h if split_h is None else split_h) and dt != torch.float32
+    vnew_dtype = vnew_dtype or (dt if from_ainv else u.dtype)
+    h = _empty(ci.NT, HV, K, V, device=dev, dtype=h_dtype) if store_h else None
+    v_new = _empty(B, T, HV, V, device=dev, dtype=vnew_dtype) if store_vnew else None
+    ht = final_state
+    if ht is None and output_final_state:
+        shape = (ci.N, HV, K, V) if state_layout == "v_last" else (ci.N, HV, V, K)
+        ht = _empty(*shape, device=dev, dtype=torch.float32)
+    if ci.N == 0 or HV == 0:
+        return h, v_new, ht
+    KP = _pow2(K)
+    BV = _state_bv(K, V, dev)
+    xs, mats = (v, ainv) if from_ainv else (u, w)
+    sm90 = (cfg.state_sm90 and xs is not None and not split_h
+            and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, False))
+
+    def sm90_tile(programs_per_column_tile: int) -> int:
+        """V tile of the sm_90 pass for a grid of ``programs_per_column_tile`` x (V / tile) CTAs; 0 = portable."""
+        if not sm90:
+            return 0
+        if cfg.state_sm90_BV > 0:
+            return cfg.state_sm90_BV
+        for bv9 in (32, 64):
+            if V % bv9 == 0 and programs_per_column_tile * (V // bv9) <= _num_sms(dev):
+                return bv9
+        return 0
+
+    plain9 = sm90_tile(ci.N * HV)
+    seg = choose_segment_len(ci, HV, V, BV, dev, force=segment_chunks, K=K,
+                             plain_cost=max(ci.nchunks) * cfg.state_sm90_step_cost if plain9 else None)
+    plan = plan_segments(ci, seg, dev)
+    dummy = g_cum
+    idx = state_indices
+    cu = _cu_arg(cu_seqlens, ci.chunk_offsets)
+    if from_ainv:
+        vv, bb, aa, ww, uu = v, beta, ainv.contiguous(), dummy, dummy
+        sv, sb = _strides3(v), _strides3(beta)
+    else:
+        vv, bb, aa, ww, uu = dummy, dummy, dummy, w, (u if u is not None else dummy)
+        sv, sb = (0, 0, 0), (0, 0, 0)
+    l2 = bool(use_qk_l2norm_in_kernel)
+    if l2 and rk is None:
+        rk = l2_rnorm(k)
+    rk_arg = rk if l2 else dummy
+
+    def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, **flags):
+        bv9 = sm90_tile(S * HV) if (n_extra == 0 and Vd == V) else 0
+        if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], False, split_h):
+            # Hopper: the Gluon form of this pass (TMA ring, asynchronous wgmma; hopper.py)
+            hopper.launch_state_pass(
+                (triton.cdiv(V, bv9), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, h_out, vn_out, h0, ht_,
+                h0_idx if h0_idx is not None else ci.chunk_offsets, ht_idx if ht_idx is not None else ci.chunk_offsets,
+                plan.segments, cu, ci.chunk_offsets, T, P0, P1, sb, s0, s1, H=H, HV=HV, K=K, V=V,
+                use_l2=l2, is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
+                H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
+                from_ainv=from_ainv, BV=bv9, stages=cfg.state_sm90_stages)
+            return
+        _launch(_chunk_state_kernel, (triton.cdiv(Vd, bv) + n_extra, HV, S),
+                k, vv, bb, aa, ww, uu, g_cum, rk_arg, h_out if h_out is not None else dummy,
+                vn_out if vn_out is not None else dummy, h0 if h0 is not None else dummy,
+                ht_ if ht_ is not None else dummy, h0_idx if h0_idx is not None else ci.chunk_offsets,
+                ht_idx if ht_idx is not None else ci.chunk_offsets, plan.segments, ci.chunk_offsets, cu,
+                T, P0, P1, triton.cdiv(Vd, bv), *_strides3(k), *sv, *sb, *s0, *s1,
+                H=H, HV=HV, K=K, V=Vd, KP=KP, BV=bv, USE_L2=l2, IS_VARLEN=ci.is_varlen,
+                FROM_AINV=from_ainv, DT=_TL[dt], PREC=cfg.fp32_dot_precision, SPLIT_H=split_h,
+                STORE_H=h_out is not None, STORE_VNEW=vn_out is not None, STORE_FINAL=ht_ is not None,
+                num_warps=int(cfg.state_warps), num_stages=int(cfg.state_stages), maxnreg=cfg.state_maxnreg,
+                **flags)
+
+    s0 = _state_strides(initial_state, state_layout)
+    s1 = _state_strides(ht, state_layout)
+    P = initial_state.shape[0] if initial_state is not None else 0
+    P1 = ht.shape[0] if ht is not None else 0
+    has_u = from_ainv or u is not None
+    if not plan.segmented:
+        launch(V, BV, plan.S, h, v_new, initial_state, ht, idx, idx, P, P1, s0, s1,
+               INIT=1 if initial_state is not None else 0, H0_BY_SEG=False, H0_INDEXED=idx is not None, HAS_U=has_u,
+               HT_BY_SEG=False, HT_INDEXED=idx is not None)
+        return h, v_new, ht
+    # ---- segmented: local states from zero, transition matrices, merge, then the pass from the true starts
+    S = plan.S
+    hloc = _empty(S, HV, K, V, device=dev, dtype=torch.float32)
+    trans = _empty(S, HV, K, K, device=dev, dtype=torch.float32)
+    vl = _state_strides(hloc, "v_last")
+    # one launch: local states (programs 0 .. NV-1) and transition matrices (programs NV .. NV+NK-1)
+    launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, _state_strides(trans, "v_last"), vl,
+           n_extra=triton.cdiv(K, BV), INIT=3, H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True,
+           HT_INDEXED=False)
+    hs = merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy)
+    launch(V, BV, S, h, v_new, hs, None, None, None, S, 0, vl, (0, 0, 0, 0), INIT=1,
+           H0_BY_SEG=True, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=False, HT_INDEXED=False)
+    return h, v_new, ht
+
+
+__all__ = ["chunk_state_pass"]

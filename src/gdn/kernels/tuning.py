@@ -1,0 +1,274 @@
+"""Tuning tables: one frozen dataclass per kernel family, rows keyed by device capability (and shape class where the
+best tiling depends on the shape), read only through :func:`lookup`.
+
+Every row was measured on an H200 (sm_90, Triton 3.6; ``bench/NOTES.md``); other capabilities take the
+``"default"`` row (the same values) until they are measured. Fields whose A/B has not yet run on a GPU keep their
+current default and are listed under "pending GPU A/B" in ``bench/NOTES.md``.
+
+Overrides, applied on top of the row in this order: the environment (``GDN_TUNE``, parsed by :mod:`gdn.config`),
+then :func:`override` blocks (innermost last). Unknown fields and values of the wrong type raise ValueError naming
+where they came from.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Dict, List, Tuple
+
+from .. import config
+
+
+@dataclass(frozen=True)
+class ChunkForward:
+    """Chunked forward (:mod:`gdn.kernels.chunk`): prepare, state pass, merge, output."""
+    # prepare kernel (cumsum + K K^T + solve + W/U)
+    prepare_BK: int = 64
+    prepare_BV: int = 64
+    prepare_warps: int = 4
+    prepare_stages: int = 2
+    prepare_maxnreg: int = 168
+    # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half
+    # inputs, else tf32x3; or "ieee", "tf32x3", "tf32", "bf16")
+    solve_precision: str = "auto"
+    # precision of dots whose operands are fp32 (fp32 inputs / fp32 intermediates)
+    fp32_dot_precision: str = "tf32x3"
+    # sequential state pass: V tile of the state (0 = automatic: 64 for K <= 128, else 32); state_stages 3 is pending
+    # GPU A/B (sm_90 builds: 2 stages issue chunk c+1's copies after chunk c's last product, 3 give a one-chunk lead)
+    state_BV: int = 0
+    state_warps: int = 4
+    state_stages: int = 2
+    state_maxnreg: int = 0
+    # sm_90: the sequential state pass as the Gluon kernel of gdn.kernels.chunk.hopper (TMA ring of state_sm90_stages
+    # chunks, asynchronous wgmma) where it supports the launch. state_sm90_BV: 0 = the narrowest V tile (32, then 64)
+    # whose grid fits one wave of CTAs (one per SM: a chunk step takes 1.1-1.4 us alone on an SM and slows down when
+    # SMs are shared; H200); larger grids run the portable pass, which keeps several CTAs per SM busy. One of its
+    # steps costs ~state_sm90_step_cost portable steps (segment planning). bench/results/sm90_state_h200.json
+    state_sm90: bool = True
+    state_sm90_BV: int = 0
+    state_sm90_stages: int = 2
+    state_sm90_step_cost: float = 0.6
+    # output kernel; output_heads (value heads per program sharing q, k, q k^T; 0 = all HV / H) is pending GPU A/B
+    output_BK: int = 128
+    output_BV: int = 64
+    output_warps: int = 4
+    output_stages: int = 1
+    output_maxnreg: int = 0
+    output_heads: int = 1
+    # merge kernel of the segmented state pass
+    merge_BK: int = 64
+    merge_BV: int = 64
+    merge_warps: int = 4
+    merge_precision: str = "tf32x3"
+    # storage dtype of the per-chunk states h: "input" (bf16 for bf16 inputs) or "fp32"
+    h_dtype: str = "input"
+    # v_new from Ainv / v / beta ("ainv": no w/u round trip) or from stored w/u ("wu")
+    state_mode: str = "ainv"
+    # h in the v_new product as two half-precision parts (accuracy; one more tensor-core product per chunk)
+    state_split_h: bool = False
+    # storage dtype of Ainv ("input" = tensor-core dtype, or "fp32")
+    ainv_dtype: str = "input"
+    # training: keep the forward's h and v_new for the backward (memory: 0.8 GB at 1x32768 16/32); pending GPU A/B
+    bwd_save_states: bool = False
+    # segmented state pass: 0 = heuristic (gdn.kernels.chunk.plan.choose_segment_len), -1 = never, n > 0 = always
+    segment_chunks: int = 0
+    # the heuristic's model: resident state-pass CTAs per SM, one merge step in chunk steps, segment only when the
+    # modelled cost is below segment_gain x the plain pass; segments are powers of two >= segment_min_len chunks;
+    # never for sequences of fewer than segment_min_chunks chunks
+    state_ctas_per_sm: int = 2
+    segment_merge_cost: float = 0.5
+    segment_gain: float = 0.8
+    segment_min_chunks: int = 16
+    segment_min_len: int = 8
+    # testing: fill every buffer the launchers allocate with NaN first (catches unwritten elements)
+    debug_poison: bool = False
+
+
+@dataclass(frozen=True)
+class ChunkBackward:
+    """Chunked backward (:mod:`gdn.kernels.chunk.backward`)."""
+    # reverse state-gradient pass: V tile (0 = min(64, V)), warps, pipeline stages (3 stages pending GPU A/B)
+    dh_BV: int = 0
+    dh_warps: int = 4
+    dh_stages: int = 1
+    # value heads per dv_local program (1, or 0 = every value head of a q/k head); pending GPU A/B
+    dvl_heads: int = 1
+    # V tile of the parallel kernels (dv_local, parts A and B)
+    BV: int = 64
+    # parts A and B: 4 warps (Triton puts every warp along M for chained dots; 8 would duplicate)
+    a_warps: int = 4
+    a_stages: int = 2
+    b_warps: int = 4
+    b_stages: int = 2
+    # segmented reverse pass: 0 heuristic, -1 never, n > 0 chunks per segment
+    segment_chunks: int = 0
+    # tl.dot input precision for fp32 operands, and of the segment merge
+    fp32_dot: str = "ieee"
+    merge_dot: str = "tf32x3"
+    # recompute the forward states on a side CUDA stream, concurrently with the reverse pass
+    concurrent: bool = True
+
+
+@dataclass(frozen=True)
+class Decode:
+    """One-token decode kernel: V tile, warps, pipeline stages of the tile loop, V tiles per program, register cap
+    (0 = none), store cache modifier ("" = default)."""
+    BV: int
+    warps: int
+    stages: int
+    tiles: int
+    maxnreg: int = 0
+    store_cache: str = ""
+
+
+@dataclass(frozen=True)
+class Recurrent:
+    """Multi-token recurrent kernel: V tile, warps, pipeline stages of the token loop."""
+    BV: int
+    warps: int
+    stages: int
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the tables: {capability: row} or {(capability, shape class): row}
+# ----------------------------------------------------------------------------------------------------------------------
+TABLES: Dict[str, dict] = {
+    "chunk_fwd": {"default": ChunkForward()},
+    "chunk_bwd": {"default": ChunkBackward()},
+    # H200 sweeps at K = V = 128 (bench/NOTES.md, decode): shape classes by N * HV and state bytes
+    "decode": {
+        ("default", "few_heads"): Decode(8, 1, 1, 1),          # N * HV < 2048: many one-warp programs
+        ("default", "fp32_state"): Decode(8, 2, 1, 1),         # fp32 state: 8 columns, straight-line
+        ("default", "half_state"): Decode(32, 2, 3, 4),        # 16-bit state, N * HV < 8192: tiles 3-deep pipelined
+        ("default", "half_state_many"): Decode(16, 2, 4, 4),   # 16-bit state, more heads: two programs per head
+    },
+    "recurrent": {
+        ("default", "few_heads"): Recurrent(8, 1, 1),          # N * HV < 2048: one-warp 8-column programs
+        ("default", "many_heads"): Recurrent(16, 2, 2),        # 16-column tiles, token loop pipelined 2 deep
+    },
+}
+_ROW_TYPES = {"chunk_fwd": ChunkForward, "chunk_bwd": ChunkBackward, "decode": Decode, "recurrent": Recurrent}
+
+_OVERRIDES: List[Tuple[str, dict]] = []
+_GENERATION = [0]   # bumped whenever the override stack changes (cache key)
+_CACHE: dict = {}
+_CAPS: dict = {}
+
+
+def capability(device) -> str:
+    """"sm_XY" of a CUDA device, "cpu" otherwise."""
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return "cpu"
+    import torch
+
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _CAPS:
+        major, minor = torch.cuda.get_device_capability(idx)
+        _CAPS[idx] = f"sm_{major}{minor}"
+    return _CAPS[idx]
+
+
+def _convert(family: str, key: str, value, default, source: str):
+    where = f"{source}: {family}.{key}={value!r}"
+    if isinstance(value, str) and not isinstance(default, str):
+        v = value.strip().lower()
+        try:
+            if isinstance(default, bool):
+                if v not in ("1", "0", "true", "false"):
+                    raise ValueError
+                return v in ("1", "true")
+            if isinstance(default, int):
+                return int(v)
+            if isinstance(default, float):
+                return float(v)
+        except ValueError:
+            raise ValueError(f"{where}: expected {type(default).__name__}") from None
+    if isinstance(default, bool) and not isinstance(value, bool):
+        raise ValueError(f"{where}: expected bool")
+    if isinstance(default, (int, float)) and not isinstance(default, bool):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                (isinstance(default, int) and not float(value).is_integer()):
+            raise ValueError(f"{where}: expected {type(default).__name__}")
+        return type(default)(value)
+    if isinstance(default, str) and not isinstance(value, str):
+        raise ValueError(f"{where}: expected str")
+    return value
+
+
+def _apply(family: str, row, items: dict, source: str):
+    fields = {f.name for f in dataclasses.fields(row)}
+    changes = {}
+    for key, value in items.items():
+        if key not in fields:
+            raise ValueError(f"{source}: unknown key {family}.{key}; known: {', '.join(sorted(fields))}")
+        changes[key] = _convert(family, key, value, getattr(row, key), source)
+    row = dataclasses.replace(row, **changes) if changes else row
+    _check(family, row, source)
+    return row
+
+
+def _check(family: str, row, source: str):
+    if family in ("decode", "recurrent"):
+        bv, warps, stages = row.BV, row.warps, row.stages
+        tiles = getattr(row, "tiles", 1)
+        if bv < 1 or bv & (bv - 1) or warps < 1 or warps & (warps - 1) or stages < 1 or tiles < 1:
+            raise ValueError(f"{source}: {family}: BV and warps must be powers of two, stages and tiles at least 1 "
+                             f"(got BV={bv}, warps={warps}, stages={stages}, tiles={tiles})")
+    elif family == "chunk_fwd" and row.output_heads < 0:
+        raise ValueError(f"{source}: chunk_fwd.output_heads must be >= 0 (0 = all), got {row.output_heads}")
+    elif family == "chunk_bwd" and row.dvl_heads < 0:
+        raise ValueError(f"{source}: chunk_bwd.dvl_heads must be >= 0 (0 = all), got {row.dvl_heads}")
+
+
+def lookup(family: str, device=None, shape_class: str = ""):
+    """The effective row of ``family`` for ``device`` (and ``shape_class``): the table's row for the device's
+    capability (else its "default" row), then GDN_TUNE, then the active :func:`override` blocks."""
+    cap = capability(device)
+    raw, env_items = config.tune_overrides(family)
+    key = (family, cap, shape_class, raw, _GENERATION[0])
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    table = TABLES[family]
+    if shape_class:
+        row = table.get((cap, shape_class)) or table[("default", shape_class)]
+    else:
+        row = table.get(cap) or table["default"]
+    row = _apply(family, row, env_items, config.ENV)
+    for fam, items in _OVERRIDES:
+        if fam == family:
+            row = _apply(family, row, items, "override")
+    if len(_CACHE) > 256:
+        _CACHE.clear()
+    _CACHE[key] = row
+    return row
+
+
+@contextlib.contextmanager
+def override(family: str, **fields):
+    """``with override("chunk_fwd", state_BV=32): ...`` runs with changed fields of one family (checked against the
+    table first: an unknown field raises ValueError)."""
+    if family not in _ROW_TYPES:
+        raise ValueError(f"override: unknown family {family!r}; known: {', '.join(_ROW_TYPES)}")
+    probe = next(iter(TABLES[family].values()))
+    _apply(family, probe, fields, "override")
+    entry = (family, dict(fields))
+    _OVERRIDES.append(entry)
+    _GENERATION[0] += 1
+    try:
+        yield
+    finally:
+        _OVERRIDES.remove(entry)
+        _GENERATION[0] += 1
+
+
+def chunk_fwd(device=None) -> ChunkForward:
+    return lookup("chunk_fwd", device)
+
+
+def chunk_bwd(device=None) -> ChunkBackward:
+    return lookup("chunk_bwd", device)
+
+
+__all__ = ["ChunkForward", "ChunkBackward", "Decode", "Recurrent", "TABLES", "lookup", "override", "capability",
+           "chunk_fwd", "chunk_bwd"]
