@@ -47,7 +47,7 @@ def _per_token_buffer(q, v, state_dtype, cu_seqlens):
         starts = cu_seqlens[:-1]
     else:
         starts = torch.arange(0, B * T, T, device=v.device)
-    cache = buf.as_strided((B * T, max(T, 1), HV, Vd, K), (HV * Vd * K, HV * Vd * K, Vd * K, K, 1))
+    cache = buf.as_strided((B * T, 1, HV, Vd, K), (HV * Vd * K, HV * Vd * K, Vd * K, K, 1))
     return buf, cache, starts.to(torch.int64)
 
 

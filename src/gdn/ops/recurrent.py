@@ -130,6 +130,13 @@ def plan_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, c
     return RecurrentPlan(B, T, N, H, HV, K, Vd, scale, read_mode, write_mode, layout)
 
 
+def _cache_row(cache, slot: int, t: int) -> torch.Tensor:
+    """State t of slot ``slot`` of a per-token buffer, addressed by strides as the kernel does (the view's dim-1 size
+    may be smaller than the tokens it covers)."""
+    return torch.as_strided(cache, cache.shape[2:], cache.stride()[2:],
+                            cache.storage_offset() + slot * cache.stride(0) + t * cache.stride(1))
+
+
 def _recurrent_torch(q, k, v, o, plan: RecurrentPlan, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx,
                      num_accepted, cu_seqlens, l2norm, cache=None, cache_idx=None, parent=None):
     """The torch path: the same semantics as the kernel, one sequence at a time, fp32 state arithmetic (``cache`` /
@@ -161,13 +168,13 @@ def _recurrent_torch(q, k, v, o, plan: RecurrentPlan, g, beta, A_log, a, dt_bias
         for t in range(s, e):
             if parent is not None and t > s and slot >= 0:
                 p = int(parent[n, t - s])
-                S = kv(cache[slot, p]).to(dt) if p >= 0 else S0
+                S = kv(_cache_row(cache, slot, p)).to(dt) if p >= 0 else S0
             S = S * torch.exp(g[bi, t])[:, None, None]
             u = beta[bi, t][:, None] * (vf[bi, t] - torch.einsum("hk,hkv->hv", kf[bi, t], S))
             S = S + kf[bi, t][:, :, None] * u[:, None, :]
             o[bi, t] = torch.einsum("hk,hkv->hv", qf[bi, t], S).to(o.dtype)
             if slot >= 0:
-                cache[slot, t - s] = kv(S).to(cache.dtype)
+                _cache_row(cache, slot, t - s).copy_(kv(S))
             if plan.write_mode == WRITE_PER_TOKEN:
                 r = int(idx[n, t - s])
                 if 0 <= r < state_out.shape[0]:
@@ -216,8 +223,8 @@ def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None
                   cache_idx: Optional[torch.Tensor] = None, parent: Optional[torch.Tensor] = None):
     """Allocate outputs and run the kernel (or the torch path). Returns (o, final_state_or_None).
 
-    ``cache`` ``[S, T_c, HV, ...]`` (state layout; T_c >= the longest sequence; rows contiguous, slot pitch
-    ``cache.stride(0)``) with ``cache_idx`` ``[N]`` (-1 = none): the state after token t of sequence n is also
+    ``cache`` ``[S, T_c, HV, ...]`` (state layout; slot pitch ``cache.stride(0)``, token pitch ``stride(1)`` = one
+    state; addressed by strides, so T_c may be smaller than the tokens a slot takes) with ``cache_idx`` ``[N]`` (-1 = none): the state after token t of sequence n is also
     written to ``cache[cache_idx[n], t]``. ``parent`` ``[N, T_max]`` (needs ``cache``): tree verification, token
     t > 0 of a cached sequence starts from the state after token ``parent[n, t]`` (negative: the start state).
     Validated by the caller."""
