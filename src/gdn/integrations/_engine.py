@@ -2,6 +2,7 @@
 general softplus, pools whose rows are not packed, and per-token state buffers."""
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -67,6 +68,18 @@ class Patcher:
                 if vars(mod).get(attr) is shim and id(shim) in orig_of:
                     setattr(mod, attr, orig_of[id(shim)])
         self.patched.clear()
+
+    @contextlib.contextmanager
+    def enabled(self):
+        """``with enabled(): ...``: patched inside the block (restored afterwards if it was off before)."""
+        was = bool(self.patched)
+        if not was:
+            self.enable()
+        try:
+            yield
+        finally:
+            if not was:
+                self.disable()
 
 
 def softplus_general(x: torch.Tensor, beta: float, threshold: float) -> torch.Tensor:

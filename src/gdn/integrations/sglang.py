@@ -15,7 +15,6 @@ engines discard those rows either way).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import List
 
 import torch
@@ -224,13 +223,6 @@ def is_enabled() -> bool:
     return bool(_patcher.patched)
 
 
-@contextlib.contextmanager
 def enabled():
-    was = is_enabled()
-    if not was:
-        enable()
-    try:
-        yield
-    finally:
-        if not was:
-            disable()
+    """``with enabled(): ...``: patched inside the block."""
+    return _patcher.enabled()

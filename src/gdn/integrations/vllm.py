@@ -15,7 +15,6 @@ goes through ``chunk_gated_delta_rule``.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 from typing import List
 
@@ -195,16 +194,9 @@ def is_enabled() -> bool:
     return bool(_patcher.patched)
 
 
-@contextlib.contextmanager
 def enabled():
-    was = is_enabled()
-    if not was:
-        enable()
-    try:
-        yield
-    finally:
-        if not was:
-            disable()
+    """``with enabled(): ...``: patched inside the block."""
+    return _patcher.enabled()
 
 
 def register() -> None:
