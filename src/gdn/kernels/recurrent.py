@@ -412,6 +412,8 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
         return _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted,
                        read_mode, write_mode, l2norm, k_last, N)
     BV, warps, stages = _recurrent_config(N, HV, K, V)
+    if parent is not None:  # no software pipelining: a parent's state is read back after this program stored it
+        stages = 1
     ptrs, (P_in, P_out, n_cols, s_idx), modes = _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out,
                                                              idx, num_accepted)
     recurrent_gdn_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
