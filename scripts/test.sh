@@ -4,4 +4,8 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
+# --- engine sources (issue 18): vLLM / SGLang GDN entry-point files for the signature test; no network = snapshot ---
+GDN_ENGINE_SRC=$(bash scripts/engine_sources.sh 2>/dev/null | tail -n 1) || true
+export GDN_ENGINE_SRC
+# ---
 exec "${PYTHON:-python3}" -m pytest -q -n 2 tests "$@"

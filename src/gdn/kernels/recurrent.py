@@ -19,6 +19,12 @@ Constexpr switches:
 - ``WRITE_MODE``: 0 none, 1 row n of ``state_out`` (a new [N, ...] tensor), 2 the row that was read (in place),
   3 per token: the state after token t goes to pool row ``idx[n, t]`` (2-D indices).
 - ``K_LAST``: state rows stored ``[V, K]`` instead of ``[K, V]``.
+- ``CACHE`` (multi-token kernel only): the state after token t of sequence n also goes to the per-token buffer
+  ``cache`` at ``cache_idx[n] * s_cache + t * HV*K*V`` (state layout as above; slot < 0 = not cached).
+- ``TREE`` (needs ``CACHE``; tree verification as SGLang's EAGLE target-verify): token t > 0 of a sequence with a
+  cache slot starts from the state after its parent token ``parent[n, t]`` (read back from ``cache``; a negative
+  parent = the sequence's start state) instead of the state after token t - 1; the final state is the one after the
+  last token.
 A negative or out-of-range pool row marks a padding sequence: its outputs are zeros and no state row is touched.
 """
 from __future__ import annotations
@@ -118,6 +124,8 @@ def recurrent_gdn_fwd_kernel(
     VARLEN: tl.constexpr, GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr,
     L2NORM: tl.constexpr, READ_MODE: tl.constexpr, IDX_2D: tl.constexpr, SPEC: tl.constexpr,
     WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr, STAGES: tl.constexpr,
+    cache=None, cache_idx=None, parent=None, s_cache=0, s_par_n=0, s_par_t=0,
+    CACHE: tl.constexpr = False, TREE: tl.constexpr = False,
 ):
     """Several tokens per sequence (varlen, speculative verification); single-token decode is :func:`decode_kernel`.
     Program = (sequence, value head) x BV value columns."""
@@ -165,9 +173,23 @@ def recurrent_gdn_fwd_kernel(
             b_s = tl.zeros([BK, BV], dtype=tl.float32)
         else:
             b_s = tl.load(state_in + row_in * (HV * K * V) + head_off + o_s, mask=m_s, other=0.0).to(tl.float32)
+        slot = tl.zeros([], dtype=tl.int64) - 1
+        if CACHE:
+            slot = tl.load(cache_idx + i_n).to(tl.int64)
+        b_s0 = b_s  # the start state (a tree token whose parent is negative starts from it)
         for t in tl.range(0, seq_len, num_stages=STAGES):  # STAGES > 1: the next tokens' q/k/v load ahead
+            if TREE:
+                if (t > 0) & (slot >= 0):  # start from the state after the parent token, read back from the cache
+                    par = tl.load(parent + i_n.to(tl.int64) * s_par_n + t * s_par_t).to(tl.int64)
+                    tl.debug_barrier()  # this program's earlier cache stores are visible to all its threads
+                    b_p = tl.load(cache + slot * s_cache + tl.maximum(par, 0) * (HV * K * V) + head_off + o_s,
+                                  mask=m_s & (par >= 0), other=0.0).to(tl.float32)
+                    b_s = tl.where(par >= 0, b_p, b_s0)
             b_s = _token_step(b_s, q, k, v, g, beta, a, b, o, t, p_q, p_k, p_v, p_o, p_gate, s_qt, s_kt,
                               s_vt, b_A, b_dtb, scale, m_k, m_v, HV, V, GATE_RAW, BETA_MODE, L2NORM)
+            if CACHE:  # the state after token t goes to the per-token buffer
+                tl.store(cache + tl.maximum(slot, 0) * s_cache + t * (HV * K * V) + head_off + o_s,
+                         b_s.to(cache.dtype.element_ty), mask=m_s & (slot >= 0))
             if WRITE_MODE == 3:  # the state after token t goes to pool row idx[n, t]
                 row_t = tl.load(idx + i_n.to(tl.int64) * s_idx + tl.minimum(t, n_cols - 1)).to(tl.int64)
                 ok_t = (t < n_cols) & (row_t >= 0) & (row_t < P_out)
@@ -349,18 +371,28 @@ def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_ou
 
 def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_bias=None, b=None, scale: float,
                       state_in=None, state_out=None, idx=None, num_accepted=None, cu_seqlens=None,
-                      read_mode: int, write_mode: int, l2norm: bool, k_last: bool, seqlen: int, num_seqs: int):
+                      read_mode: int, write_mode: int, l2norm: bool, k_last: bool, seqlen: int, num_seqs: int,
+                      cache=None, cache_idx=None, parent=None):
     """Launch :func:`decode_kernel` (one token per sequence, no cu_seqlens) or the multi-token kernel. All tensors
-    validated by the caller; ``o`` preallocated [B, T, HV, V]."""
+    validated by the caller; ``o`` preallocated [B, T, HV, V]. ``cache`` (per-token states, slot ``cache_idx[n]``,
+    slot pitch ``cache.stride(0)``, token pitch HV*K*V) and ``parent`` ([N, T_max] parent token per token, tree
+    verification) switch on the kernel's CACHE / TREE modes."""
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     N = num_seqs
-    if N == 0 or o.numel() == 0 and write_mode == 0:
+    if N == 0 or o.numel() == 0 and write_mode == 0 and cache is None:
         return o
-    if cu_seqlens is None and seqlen == 1:
+    tree = {}
+    if cache is not None:
+        tree = dict(cache=cache, cache_idx=cache_idx, parent=cache if parent is None else parent,
+                    s_cache=cache.stride(0), s_par_n=0 if parent is None else parent.stride(0),
+                    s_par_t=0 if parent is None else parent.stride(1), CACHE=True, TREE=parent is not None)
+    elif cu_seqlens is None and seqlen == 1:
         return _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted,
                        read_mode, write_mode, l2norm, k_last, N)
     BV, warps, stages = _recurrent_config(N, HV, K, V, q.device)
+    if parent is not None:  # no software pipelining: a parent's state is read back after this program stored it
+        stages = 1
     ptrs, (P_in, P_out, n_cols, s_idx), modes = _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out,
                                                              idx, num_accepted)
     recurrent_gdn_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
@@ -368,7 +400,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), s_idx,
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, VARLEN=cu_seqlens is not None, L2NORM=bool(l2norm),
-        READ_MODE=read_mode, WRITE_MODE=write_mode, K_LAST=bool(k_last), STAGES=stages, **modes,
+        READ_MODE=read_mode, WRITE_MODE=write_mode, K_LAST=bool(k_last), STAGES=stages, **modes, **tree,
         num_warps=warps, num_stages=stages,
     )
     return o

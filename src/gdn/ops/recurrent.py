@@ -130,9 +130,17 @@ def plan_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, c
     return RecurrentPlan(B, T, N, H, HV, K, Vd, scale, read_mode, write_mode, layout)
 
 
+def _cache_row(cache, slot: int, t: int) -> torch.Tensor:
+    """State t of slot ``slot`` of a per-token buffer, addressed by strides as the kernel does (the view's dim-1 size
+    may be smaller than the tokens it covers)."""
+    return torch.as_strided(cache, cache.shape[2:], cache.stride()[2:],
+                            cache.storage_offset() + slot * cache.stride(0) + t * cache.stride(1))
+
+
 def _recurrent_torch(q, k, v, o, plan: RecurrentPlan, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx,
-                     num_accepted, cu_seqlens, l2norm):
-    """The torch path: the same semantics as the kernel, one sequence at a time, fp32 state arithmetic."""
+                     num_accepted, cu_seqlens, l2norm, cache=None, cache_idx=None, parent=None):
+    """The torch path: the same semantics as the kernel, one sequence at a time, fp32 state arithmetic (``cache`` /
+    ``parent``: the kernel's per-token state buffer and tree verification, see :func:`run_recurrent`)."""
     g, beta = ref.resolve_gates(g, beta, A_log, a, dt_bias, b)
     dt = torch.float32
     qf, kf = q.to(dt), k.to(dt)
@@ -155,11 +163,18 @@ def _recurrent_torch(q, k, v, o, plan: RecurrentPlan, g, beta, A_log, a, dt_bias
             row = n
         S = (kv(state_in[row]).to(dt).clone() if plan.read_mode != READ_ZERO
              else torch.zeros(plan.HV, plan.K, plan.V, dtype=dt, device=q.device))
+        S0 = S
+        slot = int(cache_idx[n]) if cache is not None else -1
         for t in range(s, e):
+            if parent is not None and t > s and slot >= 0:
+                p = int(parent[n, t - s])
+                S = kv(_cache_row(cache, slot, p)).to(dt) if p >= 0 else S0
             S = S * torch.exp(g[bi, t])[:, None, None]
             u = beta[bi, t][:, None] * (vf[bi, t] - torch.einsum("hk,hkv->hv", kf[bi, t], S))
             S = S + kf[bi, t][:, :, None] * u[:, None, :]
             o[bi, t] = torch.einsum("hk,hkv->hv", qf[bi, t], S).to(o.dtype)
+            if slot >= 0:
+                _cache_row(cache, slot, t - s).copy_(kv(S))
             if plan.write_mode == WRITE_PER_TOKEN:
                 r = int(idx[n, t - s])
                 if 0 <= r < state_out.shape[0]:
@@ -172,27 +187,29 @@ def _recurrent_torch(q, k, v, o, plan: RecurrentPlan, g, beta, A_log, a, dt_bias
 
 
 def _launch(q, k, v, o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted, cu_seqlens, scale,
-            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs):
+            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs, cache=None, cache_idx=None, parent=None):
     from ..kernels.recurrent import recurrent_gdn_fwd
 
     recurrent_gdn_fwd(q, k, v, o, g=g, beta=beta, A_log=A_log, a=a, dt_bias=dt_bias, b=b, scale=scale,
                       state_in=state_out if state_in is None and read_mode != READ_ZERO else state_in,
                       state_out=state_out, idx=idx, num_accepted=num_accepted, cu_seqlens=cu_seqlens,
                       read_mode=read_mode, write_mode=write_mode, l2norm=l2norm, k_last=k_last, seqlen=seqlen,
-                      num_seqs=num_seqs)
+                      num_seqs=num_seqs, cache=cache, cache_idx=cache_idx, parent=parent)
 
 
-@torch.library.custom_op("gdn::recurrent_fwd", mutates_args=("o", "state_out"))
+@torch.library.custom_op("gdn::recurrent_fwd", mutates_args=("o", "state_out", "cache"))
 def _recurrent_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, g: Optional[torch.Tensor],
                       beta: Optional[torch.Tensor], A_log: Optional[torch.Tensor], a: Optional[torch.Tensor],
                       dt_bias: Optional[torch.Tensor], b: Optional[torch.Tensor], state_in: Optional[torch.Tensor],
                       state_out: Optional[torch.Tensor], idx: Optional[torch.Tensor],
                       num_accepted: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
-                      read_mode: int, write_mode: int, l2norm: bool, k_last: bool, seqlen: int, num_seqs: int) -> None:
+                      read_mode: int, write_mode: int, l2norm: bool, k_last: bool, seqlen: int, num_seqs: int,
+                      cache: Optional[torch.Tensor] = None, cache_idx: Optional[torch.Tensor] = None,
+                      parent: Optional[torch.Tensor] = None) -> None:
     """The kernel launch as a torch.library op, so torch.compile traces the ops without a graph break. In-place
     modes pass the pool as ``state_out`` only (``state_in`` None): no two arguments alias."""
     _launch(q, k, v, o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted, cu_seqlens, scale,
-            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs)
+            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs, cache, cache_idx, parent)
 
 
 @_recurrent_fwd_op.register_fake
@@ -202,8 +219,15 @@ def _(*args):
 
 def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None, a=None, dt_bias=None, b=None,
                   initial_state=None, ssm_state_indices=None, num_accepted_tokens=None, cu_seqlens=None,
-                  l2norm=False, out: Optional[torch.Tensor] = None):
-    """Allocate outputs and run the kernel (or the torch path). Returns (o, final_state_or_None)."""
+                  l2norm=False, out: Optional[torch.Tensor] = None, cache: Optional[torch.Tensor] = None,
+                  cache_idx: Optional[torch.Tensor] = None, parent: Optional[torch.Tensor] = None):
+    """Allocate outputs and run the kernel (or the torch path). Returns (o, final_state_or_None).
+
+    ``cache`` ``[S, T_c, HV, ...]`` (state layout; slot pitch ``cache.stride(0)``, token pitch ``stride(1)`` = one
+    state; addressed by strides, so T_c may be smaller than the tokens a slot takes) with ``cache_idx`` ``[N]`` (-1 = none): the state after token t of sequence n is also
+    written to ``cache[cache_idx[n], t]``. ``parent`` ``[N, T_max]`` (needs ``cache``): tree verification, token
+    t > 0 of a cached sequence starts from the state after token ``parent[n, t]`` (negative: the start state).
+    Validated by the caller."""
     o = out if out is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if plan.write_mode == WRITE_NEW:
         final = torch.empty((plan.N,) + V_.state_shape(plan.HV, plan.K, plan.V, plan.state_layout),
@@ -221,7 +245,7 @@ def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None
         args = (q, k, v, o, contig(g), contig(beta), contig(A_log), contig(a), contig(dt_bias), contig(b),
                 None if inplace else state_in, final, ssm_state_indices, num_accepted_tokens, cu_seqlens,
                 plan.scale, plan.read_mode, plan.write_mode, bool(l2norm), plan.state_layout == "k_last", plan.T,
-                plan.N)
+                plan.N, cache, cache_idx, parent)
         if torch.compiler.is_compiling():
             torch.ops.gdn.recurrent_fwd(*args)
         else:  # eager: skip the dispatcher's overhead on the decode hot path
@@ -229,7 +253,7 @@ def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None
     else:
         with torch.no_grad():
             _recurrent_torch(q, k, v, o, plan, g, beta, A_log, a, dt_bias, b, state_in, final, ssm_state_indices,
-                             num_accepted_tokens, cu_seqlens, l2norm)
+                             num_accepted_tokens, cu_seqlens, l2norm, cache, cache_idx, parent)
     return o, final
 
 
