@@ -42,6 +42,8 @@ def _slices(lens):
 # inputs
 # ----------------------------------------------------------------------------------------------------------------------
 def _make(case: dict, seed: int) -> dict:
+    if case["kind"] == "errors":
+        return {}
     gen = torch.Generator().manual_seed(seed)
     T = sum(case["shards"])
     kind = case["kind"]
@@ -152,6 +154,35 @@ def _run_layer(case, data, rank, world):
             "cp_rank": c, "tp_rank": t}
 
 
+def _run_errors(rank, world):
+    """Bad arguments raise ValueError naming them (every rank alike, so nobody is left in a collective)."""
+    import pytest
+
+    from gdn.distributed import cp_causal_conv1d, cp_chunk_gated_delta_rule
+
+    T = 5 + rank
+    q, v, g = torch.randn(1, T, 1, 16), torch.randn(1, T, 2, 16), -torch.rand(1, T, 2)
+    total = sum(5 + r for r in range(world))
+    good = torch.tensor([0, 3, total], dtype=torch.int32)
+    checks = [
+        ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 3, total + 1]))),
+        ("cu_seqlens", dict(cu_seqlens=torch.tensor([0, 4, 3, total]))),
+        ("cu_seqlens", dict(cu_seqlens=good.float())),
+        ("initial_state", dict(cu_seqlens=good, initial_state=torch.zeros(3, 2, 16, 16))),
+        ("shard_lengths", dict(cu_seqlens=good, shard_lengths=[T] * (world + 1))),
+    ]
+    for name, kw in checks:
+        with pytest.raises(ValueError, match=name):
+            cp_chunk_gated_delta_rule(q, q, v, g, g.sigmoid(), **kw)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cp_chunk_gated_delta_rule(*(x.expand(2, *x.shape[1:]) for x in (q, q, v, g, g)), cu_seqlens=good)
+    with pytest.raises(ValueError, match="weight"):
+        cp_causal_conv1d(torch.randn(1, T, 8), torch.randn(6, 4), cu_seqlens=good)
+    with pytest.raises(ValueError, match="activation"):
+        cp_causal_conv1d(torch.randn(1, T, 8), torch.randn(8, 4), activation="relu", cu_seqlens=good)
+    return {"ok": True}
+
+
 def _worker(rank: int, world: int, port: int, cases: list, datas: list, out_dir: str) -> None:
     init_gloo(rank, world, port)
     orig_empty = torch.empty
@@ -166,7 +197,9 @@ def _worker(rank: int, world: int, port: int, cases: list, datas: list, out_dir:
     try:
         for i, (case, data) in enumerate(zip(cases, datas)):
             kind = case["kind"]
-            if kind == "layer":
+            if kind == "errors":
+                res = _run_errors(rank, world)
+            elif kind == "layer":
                 res = _run_layer(case, data, rank, world)
             else:
                 res = (_run_op if kind == "op" else _run_conv)(case, data, rank)
@@ -183,6 +216,8 @@ def _ref(case, data):
     from gdn.ops import causal_conv1d, chunk_gated_delta_rule
 
     dev = _dev()
+    if case["kind"] == "errors":
+        return None
     if case["kind"] == "op":
         xs = {n: _leaf(data[n], dev) for n in ("q", "k", "v", "g", "beta")}
         h0 = _leaf(data["h0"], dev)
@@ -211,15 +246,23 @@ def _ref(case, data):
     return {"y": y.detach().cpu(), "dx": x.grad.cpu(), "grads": {n: p.grad.cpu() for n, p in layer.named_parameters()}}
 
 
-def _close(name, got, ref, msg):
+def _close(name, got, ref, msg, tol=TOL):
     assert got is not None and torch.isfinite(got).all(), f"{name}: missing or not finite ({msg})"
     err = rel_err(got, ref)
-    assert err < TOL, f"{name}: rel err {err:.2e} ({msg})"
+    assert err < tol, f"{name}: rel err {err:.2e} ({msg})"
+
+
+# The gate parameters' gradients ([HV] each) are sums over every token of terms of both signs that largely cancel;
+# summed per rank and then over the ranks, their fp32 rounding differs from the one-process sum by up to ~1e-5
+# relative (seen 1e-6 .. 1.5e-5 over random seeds), with every token-level quantity at ~1e-7.
+CANCELLING = {"A_log": 1e-4, "dt_bias": 1e-4}
 
 
 def _compare(case, parts, ref, msg):
     kind = case["kind"]
-    if kind == "op":
+    if kind == "errors":
+        assert all(p["ok"] for p in parts)
+    elif kind == "op":
         for n in ("o",) + TOKEN_GRADS:
             _close(n, torch.cat([p[n] for p in parts], 1), ref[n], msg)
         if case["final"]:
@@ -247,7 +290,8 @@ def _compare(case, parts, ref, msg):
             _close(f"layer input grad (tp rank {t})", torch.cat([p["dx"] for p in row], 1), ref["dx"], msg)
         assert set(lead[0]["grads"]) == set(ref["grads"])
         for n, g in ref["grads"].items():
-            _close(f"grad of {n} (sum over cp ranks)", sum(p["grads"][n] for p in lead), g, msg)
+            _close(f"grad of {n} (sum over cp ranks)", sum(p["grads"][n] for p in lead), g, msg,
+                   CANCELLING.get(n, TOL) if not CUDA else TOL)
 
 
 def _check(cases: list, world: int, tmp_path) -> None:
@@ -294,6 +338,7 @@ CASES_2 = [
     _conv([3, 2, 9], [1, 13], act=None, bias=False),   # a 1-token shard inside a document
     _conv(None, [7, 9], B=2),                           # the batch form (no cu_seqlens)
     _layer([10, 25, 1, 14], [20, 30]),
+    dict(kind="errors", shards=[5, 6]),
 ]
 
 CASES_3 = [
