@@ -202,7 +202,8 @@ def shard_gated_deltanet(layer, tp_group=None):
                           layer.head_v_dim, conv_size=layer.conv_size, norm_eps=layer.norm_eps,
                           layer_idx=layer.layer_idx, projection=layer.projection,
                           conv_bias=layer.conv1d.bias is not None, chunk_size=layer.chunk_size,
-                          tp_group=tp_group if world > 1 else None, device=p.device, dtype=p.dtype)
+                          tp_group=tp_group if world > 1 else None, cp_group=getattr(layer, "cp_group", None),
+                          device=p.device, dtype=p.dtype)
     with torch.no_grad():
         sd = shard_state_dict({n: t.detach() for n, t in layer.state_dict().items()}, cfg, rank, world)
     shard.load_state_dict(sd, assign=True)  # keeps every tensor's own dtype (e.g. fp32 A_log next to bf16 weights)

@@ -75,11 +75,18 @@ class GatedDeltaNet(nn.Module):
         chunk_size: chunk length of the chunked op.
         tp_group: ``torch.distributed`` process group to shard heads over (tensor parallelism); the layer then holds
             ``num_k_heads / world`` key heads and ``num_v_heads / world`` value heads and all-reduces ``out_proj``.
+        cp_group: ``torch.distributed`` process group to split the sequence over (context parallelism, training
+            only): each rank's forward takes its contiguous slice along T of the row (``cu_seqlens`` global, the same
+            on every rank) and returns that slice of the output; the conv (:func:`gdn.distributed.cp_causal_conv1d`)
+            and the chunked op (:func:`gdn.distributed.cp_chunk_gated_delta_rule`) exchange halos and states.
+            Parameter gradients are each rank's partial sums (all-reduce them over the group, as for data
+            parallelism). Composes with ``tp_group`` (a separate group: heads sharded over one, tokens over the other).
     """
 
     def __init__(self, hidden_size: int, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
                  conv_size: int = 4, norm_eps: float = 1e-6, *, layer_idx: int = 0, projection: str = "qwen3_next",
-                 conv_bias: bool = False, chunk_size: int = 64, tp_group=None, device=None, dtype=None):
+                 conv_bias: bool = False, chunk_size: int = 64, tp_group=None, cp_group=None, device=None,
+                 dtype=None):
         super().__init__()
         if projection not in PROJECTIONS:
             raise ValueError(f"projection: expected one of {PROJECTIONS}, got {projection!r}")
@@ -101,6 +108,7 @@ class GatedDeltaNet(nn.Module):
         self.chunk_size = chunk_size
         self.tp_group = tp_group if tp > 1 else None
         self.tp_size = tp
+        self.cp_group = cp_group
         self.local_num_k_heads, self.local_num_v_heads = num_k_heads // tp, num_v_heads // tp
         H, HV, K, V = self.local_num_k_heads, self.local_num_v_heads, head_k_dim, head_v_dim
         self.key_dim, self.value_dim = H * K, HV * V
@@ -293,7 +301,11 @@ class GatedDeltaNet(nn.Module):
 
         mixed, z, b, a = self._project(x)
         w, bias = self.conv_weight, self.conv1d.bias
-        if batch is None:
+        if self.cp_group is not None:
+            if batch is not None:
+                raise ValueError("cache: a context-parallel layer (cp_group) runs training / stateless forwards only")
+            o = self._cp_forward(mixed, a, b, cu_seqlens)
+        elif batch is None:
             y = ops.causal_conv1d(mixed, w, bias, "silu", cu_seqlens=cu_seqlens)
             o = self._chunk(y, a, b, cu_seqlens, None, None)
         elif batch.speculative:
@@ -322,6 +334,22 @@ class GatedDeltaNet(nn.Module):
 
             out = reduce_from_tensor_parallel_region(out, self.tp_group)
         return out
+
+    def _cp_forward(self, mixed, a, b, cu_seqlens):
+        """This rank's slice of conv + gated delta rule under context parallelism (slice lengths found once)."""
+        from ..distributed import cp_causal_conv1d, cp_chunk_gated_delta_rule
+        from ..distributed._shards import shard_offsets
+
+        offs = shard_offsets(mixed.shape[1], mixed.device, self.cp_group)
+        lens = [e - s for s, e in zip(offs[:-1], offs[1:])]
+        y = cp_causal_conv1d(mixed, self.conv_weight, self.conv1d.bias, "silu", cu_seqlens=cu_seqlens,
+                             group=self.cp_group, shard_lengths=lens)
+        q, k, v = self._split_qkv(y)
+        g = ops.gdn_gate(a, self.A_log, self.dt_bias)
+        o, _ = cp_chunk_gated_delta_rule(q, k, v, g, b.sigmoid(), use_qk_l2norm_in_kernel=True,
+                                         cu_seqlens=cu_seqlens, group=self.cp_group, chunk_size=self.chunk_size,
+                                         shard_lengths=lens)
+        return o
 
     def _chunk(self, y, a, b, cu_seqlens, ssm_pool, batch):
         q, k, v = self._split_qkv(y)
