@@ -238,7 +238,7 @@ def bench_layer(a, mix, lens, dev, dtype, world, rank, log):
         y2 = cpl(x2, cu_seqlens=cu)
         g1 = torch.autograd.grad([y1], p1, [dy])
         g2 = torch.autograd.grad([y2], p2, [dy[:, s:e]])
-        gw = [t.float().clone() for t in g2[1:]]
+        gw = [t.float().clone(memory_format=torch.contiguous_format) for t in g2[1:]]
         for t in gw:
             dist.all_reduce(t)  # weight gradients: partial sums over the ranks
         errs = {"y": rel(y2, y1[:, s:e]), "dx": rel(g2[0], g1[0][:, s:e]),
