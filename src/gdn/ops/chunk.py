@@ -22,7 +22,7 @@ def _needs_grad(*tensors) -> bool:
 
 
 def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-              state_layout, ssm_state_indices, chunk_size):
+              state_layout, ssm_state_indices, chunk_size, output_state_indices=None):
     q = V_.tensor("q", q, ndim=4, dtypes=V_.FLOAT_DTYPES, shape_doc="[B, T, H, K]")
     dev = q.device
     B, T, H, K = q.shape
@@ -66,6 +66,11 @@ def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         if _needs_grad(q, k, v, g, beta, initial_state):
             raise ValueError("ssm_state_indices: state pools are inference-only; call under torch.no_grad() or pass "
                              "initial_state without ssm_state_indices to differentiate")
+    if output_state_indices is not None:
+        if ssm_state_indices is None:
+            raise ValueError("output_state_indices: needs a state pool (ssm_state_indices and initial_state [P, ...])")
+        V_.write_indices("output_state_indices", output_state_indices, ssm_state_indices, "ssm_state_indices",
+                         initial_state.shape[0], dev)
     return scale, layout, N
 
 
@@ -80,7 +85,8 @@ def _validate_triton_limits(q, v):
 # ----------------------------------------------------------------------------------------------------------------------
 # torch path
 # ----------------------------------------------------------------------------------------------------------------------
-def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size):
+def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size,
+                out_idx=None):
     from gdn.reference import chunk_gated_delta_rule_ref, sequence_spans
 
     if idx is None:
@@ -100,7 +106,9 @@ def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     for n, (bi, s, e) in enumerate(sequence_spans(B, T, cu_seqlens)):
         if not vl[n]:
             o[bi, s:e] = 0
-    pool[il[valid]] = fin[valid].to(pool.dtype)
+    wl = il if out_idx is None else out_idx.to(torch.int64)
+    wvalid = valid & (wl >= 0) & (wl < P)
+    pool[wl[wvalid]] = fin[wvalid].to(pool.dtype)
     return o, (pool if output_final_state else None)
 
 
@@ -151,14 +159,15 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
 
 def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size,
-                 cu_host=None):
+                 cu_host=None, out_idx=None):
     if beta is None:
         beta = torch.ones((), dtype=torch.float32, device=q.device).expand(g.shape)
     if torch.compiler.is_compiling():  # opaque torch.library ops (gdn/ops/_library.py): no graph break
         from ._library import chunk_fwd, chunk_fwd_pool
 
         if idx is not None:
-            o = chunk_fwd_pool(q, k, v, g, beta, initial_state, idx, cu_seqlens, scale, l2, chunk_size, layout)
+            o = chunk_fwd_pool(q, k, v, g, beta, initial_state, idx, cu_seqlens, scale, l2, chunk_size, layout,
+                               out_idx)
             return o, (initial_state if output_final_state else None)
         h0 = initial_state
         if h0 is not None:
@@ -189,13 +198,14 @@ def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
         return o, ht
     pool = initial_state
     o, _, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, pool, False, cu_seqlens, chunk_size, l2,
-                                         state_layout=layout, state_indices=idx, final_state=pool, cu_seqlens_cpu=cu_host)
+                                         state_layout=layout, state_indices=idx, final_state=pool, cu_seqlens_cpu=cu_host,
+                                         final_indices=out_idx)
     return o, (pool if output_final_state else None)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, state_layout="v_last",
-                           ssm_state_indices=None, chunk_size=64, cu_seqlens_cpu=None):
+                           ssm_state_indices=None, chunk_size=64, cu_seqlens_cpu=None, output_state_indices=None):
     """Chunked gated delta rule (prefill / training).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (strided views with a contiguous last dim are read in place); g, beta
@@ -203,7 +213,9 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     or ``[N, HV, V, K]`` (``"k_last"``); with ``ssm_state_indices`` ``[N]`` it is a pool ``[P, HV, ...]``: sequence n
     reads row ``ssm_state_indices[n]`` and its final state is written back into that row in place (pool dtype; -1 =
     padding: zeros out, nothing read or written), and the pool itself is returned as final state when
-    ``output_final_state``. Returns ``(o [B, T, HV, V] in v's dtype, final_state fp32 or None)``.
+    ``output_final_state``. ``output_state_indices`` ``[N]`` (with a pool): the final state goes to that row
+    instead (-1 = not written; the read row stays untouched; two sequences writing one row, or one writing a row that
+    another reads, is a ValueError). Returns ``(o [B, T, HV, V] in v's dtype, final_state fp32 or None)``.
     Differentiable w.r.t. q, k, v, g, beta and ``initial_state`` (not a pool).
     ``cu_seqlens_cpu``: the values of ``cu_seqlens`` on the host (CPU int tensor or sequence of ints; as fla's and
     vLLM's precomputed chunk metadata): then nothing reads ``cu_seqlens`` back from the device, so the call does not
@@ -213,13 +225,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     cu_host = V_.cu_seqlens_host("cu_seqlens_cpu", cu_seqlens_cpu, cu_seqlens)
     scale, layout, N = _validate(q, k, v, g, beta, scale, initial_state, output_final_state,
                                  cu_seqlens if cu_host is None else (cu_seqlens, cu_host),
-                                 use_qk_l2norm_in_kernel, state_layout, ssm_state_indices, chunk_size)
+                                 use_qk_l2norm_in_kernel, state_layout, ssm_state_indices, chunk_size,
+                                 output_state_indices)
     if not use_triton(q.device):
         return _torch_path(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
-                           bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size)
+                           bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size, output_state_indices)
     _validate_triton_limits(q, v)
     return _triton_path(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
-                        bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size, cu_host)
+                        bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size, cu_host,
+                        output_state_indices)
 
 
 __all__ = ["chunk_gated_delta_rule", "ChunkGatedDeltaRuleFunction"]
