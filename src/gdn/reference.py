@@ -138,8 +138,10 @@ def recurrent_gated_delta_rule_ref(q, k, v, g=None, beta=None, scale=None, initi
 # ----------------------------------------------------------------------------------------------------------------------
 def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, state_layout="v_last",
-                               chunk_size=64):
-    """Chunkwise-parallel gated delta rule (seeds 002 and 004).
+                               chunk_size=64, return_chunk_states=False):
+    """Chunkwise-parallel gated delta rule (seeds 002 and 004). Returns ``(o, final_state or None)``; with
+    ``return_chunk_states`` a third value h ``[NT, HV, K, V]`` (v_last order): the start state of every chunk of
+    every sequence, in sequence order (as the kernels' h).
 
     Per chunk of C tokens with cumulative log-gates ``c_r = g_1 + ... + g_r`` and start state ``S0``::
 
@@ -156,7 +158,7 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
     HV, V = v.shape[2], v.shape[3]
     q, k, v_, g, beta, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     C = int(chunk_size)
-    o_parts, finals = [], []
+    o_parts, finals, starts = [], [], []
     for n, (bi, s, e) in enumerate(sequence_spans(B, T, cu_seqlens)):
         S = _initial(initial_state, n, HV, K, V, dt, q.device, state_layout)
         L = e - s
@@ -184,6 +186,7 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
         attn = (qc @ kc.transpose(-1, -2)) * gamma           # [HV, NC, C, C]
         outs = []
         for c in range(NC):
+            starts.append(S)
             vnew = U[:, c] - W[:, c] @ S
             outs.append((qc[:, c] * torch.exp(gc[:, c])[..., None]) @ S + attn[:, c] @ vnew)
             last = gc[:, c, -1]
@@ -192,7 +195,11 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
         o = torch.stack(outs, dim=1).reshape(HV, NC * C, V)[:, :L].transpose(0, 1)  # [L, HV, V]
         o_parts.append(o)
         finals.append(S)
-    return _finish(o_parts, finals, v, B, T, output_final_state, state_layout, dt)
+    out = _finish(o_parts, finals, v, B, T, output_final_state, state_layout, dt)
+    if return_chunk_states:
+        h = torch.stack(starts) if starts else q.new_zeros((0, HV, K, V))
+        return (*out, h)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------

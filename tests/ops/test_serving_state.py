@@ -150,3 +150,168 @@ def test_write_rows_validation(op, bad):
                 chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool if idx is not None else None,
                                        ssm_state_indices=idx, state_layout="k_last", output_state_indices=wr)
     assert torch.equal(pool, before)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# prefix-cache checkpoints
+# ---------------------------------------------------------------------------------------------------------------------
+def _take(x, cu, cuts):
+    """The varlen batch of every sequence's tokens [start + a, start + b) for cuts[n] = (a, b)."""
+    s = cu.tolist()
+    sel = torch.cat([torch.arange(s[n] + a, s[n] + b) for n, (a, b) in enumerate(cuts)]).to(torch.long)
+    lens = [b - a for a, b in cuts]
+    return [t[:, sel] for t in (x.q, x.k, x.v, x.g, x.beta)], _cu(lens)
+
+
+@pytest.mark.parametrize("layout", ["v_last", "k_last"])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("segment_chunks", [None, 1])
+def test_checkpoints_match_truncated_prefill_and_resume(layout, state_dtype, segment_chunks):
+    from gdn.kernels import tuning
+
+    lens = [0, 1, 63, 64, 65, 130, 192]
+    N, H, HV, K, V, E, C = len(lens), 1, 2, 16, 32, 64, 3
+    cu = _cu(lens)
+    x = make_inputs(1, int(cu[-1]), H, HV, K, V, device=DEV)
+    P = 40
+    pool = _pool(P, HV, K, V, layout, state_dtype)
+    rd = torch.tensor([0, 1, 2, -1, 4, 5, 6], device=DEV)  # sequence 3 is padding: no checkpoint written
+    ck = torch.tensor([[10 + 3 * n + c if (n, c) != (5, 1) else -1 for c in range(C)] for n in range(N)], device=DEV)
+    before = pool.clone()
+    ctx = tuning.override("chunk_fwd", segment_chunks=segment_chunks) if segment_chunks else _null()
+    with torch.no_grad(), ctx:
+        o_full, _ = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, cu_seqlens=cu,
+                                           ssm_state_indices=rd, state_layout=layout, checkpoint_every_n_tokens=E,
+                                           checkpoint_indices=ck)
+    _, st = _ref_states(x, before, rd.tolist(), cu, layout)
+    tol = 1e-4 if state_dtype == torch.float32 else 1e-2
+    expect = {r: (st[n][-1] if lens[n] else before[r].double()) for n, r in enumerate(rd.tolist()) if r >= 0}
+    written = []
+    for n in range(N):
+        for c in range(C):
+            tok, r = (c + 1) * E, int(ck[n, c])
+            if r >= 0 and rd[n] >= 0 and tok <= lens[n]:
+                expect[r] = st[n][tok - 1]
+                written.append((n, c))
+    assert (5, 0) in written and (6, 2) in written and (3, 0) not in written
+    _check_rows(pool, before, expect, tol)  # checkpoints past the end, -1, padding: rows untouched
+    if segment_chunks:
+        return
+    # bitwise: a prefill that stops at the checkpoint writes the same final state (same kernel path)
+    for c in range(C):
+        tok = (c + 1) * E
+        (q, k, v, g, b), cu_t = _take(x, cu, [(0, min(tok, L)) for L in lens])
+        scratch = before.clone()
+        out = torch.tensor([20 + n for n in range(N)], device=DEV)
+        with torch.no_grad():
+            chunk_gated_delta_rule(q, k, v, g, b, initial_state=scratch, cu_seqlens=cu_t, ssm_state_indices=rd,
+                                   state_layout=layout, output_state_indices=out)
+        for n, cc in written:
+            if cc == c:
+                assert torch.equal(pool[int(ck[n, c])], scratch[20 + n]), (n, c)
+    # resume: prefill(t) then a prefill of the rest from the checkpoint at t = prefill(T)
+    t = E
+    (q, k, v, g, b), cu_r = _take(x, cu, [(min(t, L), L) for L in lens])
+    rd_r = torch.tensor([int(ck[n, 0]) if lens[n] >= t and rd[n] >= 0 else -1 for n in range(N)], device=DEV)
+    with torch.no_grad():
+        o_r, _ = chunk_gated_delta_rule(q, k, v, g, b, initial_state=pool, cu_seqlens=cu_r, ssm_state_indices=rd_r,
+                                        state_layout=layout, output_state_indices=torch.arange(30, 30 + N, device=DEV)
+                                        .masked_fill(rd_r < 0, -1))
+    s, sr = cu.tolist(), cu_r.tolist()
+    for n in range(N):
+        if rd_r[n] >= 0 and lens[n] > t:
+            assert rel_err(o_r[0, sr[n]:sr[n + 1]], o_full[0, s[n] + t:s[n + 1]]) < tol
+            assert rel_err(pool[30 + n], st[n][-1]) < tol
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+def test_checkpoints_torch_backend_matches(monkeypatch):
+    """The torch path (GDN_BACKEND=torch) writes the same checkpoints as the kernels (tolerance)."""
+    lens = [65, 128, 3]
+    cu = _cu(lens)
+    HV, K, V = 2, 16, 16
+    x = make_inputs(1, int(cu[-1]), 1, HV, K, V, device=DEV)
+    pool = _pool(12, HV, K, V, "k_last")
+    rd = torch.tensor([0, 1, 2], device=DEV)
+    ck = torch.tensor([[3, 4], [5, 6], [7, 8]], device=DEV)
+    pools = []
+    for backend in ("auto", "torch"):
+        monkeypatch.setenv("GDN_BACKEND", backend)
+        p = pool.clone()
+        with torch.no_grad():
+            chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=p, cu_seqlens=cu, ssm_state_indices=rd,
+                                   state_layout="k_last", checkpoint_every_n_tokens=64, checkpoint_indices=ck)
+        pools.append(p)
+    assert rel_err(pools[0], pools[1]) < 1e-4
+    assert torch.equal(pools[0][[7, 8, 9, 10, 11]], pool[[7, 8, 9, 10, 11]])  # 3 tokens: no checkpoint; rows untouched
+    assert not torch.equal(pools[0][6], pool[6])
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_return_chunk_states(backend, monkeypatch):
+    monkeypatch.setenv("GDN_BACKEND", backend)
+    lens = [65, 0, 128]
+    cu = _cu(lens)
+    HV, K, V = 2, 16, 32
+    x = make_inputs(1, int(cu[-1]), 1, HV, K, V, device=DEV)
+    h0 = torch.randn(3, HV, V, K, device=DEV)
+    with torch.no_grad():
+        o, ht, h = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, cu_seqlens=cu,
+                                          output_final_state=True, state_layout="k_last", return_chunk_states=True)
+    _, st = _ref_states(x, h0.transpose(-1, -2), [0, 1, 2], cu, "v_last")
+    assert h.shape == (4, HV, K, V)
+    ref = torch.stack([h0[0].transpose(-1, -2).double(), st[0][63], h0[2].transpose(-1, -2).double(), st[2][63]])
+    assert rel_err(h.float(), ref) < (1e-4 if h.dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("bad,err,name", [
+    ("not_multiple", ValueError, "checkpoint_every_n_tokens"), ("zero", ValueError, "checkpoint_every_n_tokens"),
+    ("float_every", TypeError, "checkpoint_every_n_tokens"), ("no_every", ValueError, "checkpoint_every_n_tokens"),
+    ("no_idx", ValueError, "checkpoint_indices"), ("shape", ValueError, "checkpoint_indices"),
+    ("1d", ValueError, "checkpoint_indices"), ("dtype", TypeError, "checkpoint_indices"),
+    ("range", ValueError, "checkpoint_indices"), ("no_pool", ValueError, "checkpoint_indices"),
+    ("dup", ValueError, "checkpoint_indices"), ("dup_final", ValueError, "checkpoint_indices"),
+    ("reads_other", ValueError, "checkpoint_indices"), ("grad_h", ValueError, "return_chunk_states")])
+def test_checkpoint_validation(bad, err, name):
+    lens = [64, 70]
+    cu = _cu(lens)
+    HV, K, V = 2, 16, 16
+    x = make_inputs(1, int(cu[-1]), 1, HV, K, V, device=DEV)
+    pool = _pool(10, HV, K, V, "v_last")
+    before = pool.clone()
+    rd = torch.tensor([0, 1], device=DEV)
+    ck = {"dup": [[2, 3], [3, 4]], "dup_final": [[2, 3], [5, 0]], "reads_other": [[1, 3], [4, 5]],
+          "range": [[2, 10], [4, 5]]}.get(bad, [[2, 3], [4, 5]])
+    ck = torch.tensor(ck, device=DEV)
+    kw = dict(initial_state=pool, ssm_state_indices=rd, checkpoint_every_n_tokens=64, checkpoint_indices=ck)
+    if bad == "not_multiple":
+        kw["checkpoint_every_n_tokens"] = 96
+    elif bad == "zero":
+        kw["checkpoint_every_n_tokens"] = 0
+    elif bad == "float_every":
+        kw["checkpoint_every_n_tokens"] = 64.0
+    elif bad == "no_every":
+        kw["checkpoint_every_n_tokens"] = None
+    elif bad == "no_idx":
+        kw["checkpoint_indices"] = None
+    elif bad == "shape":
+        kw["checkpoint_indices"] = ck[:1]
+    elif bad == "1d":
+        kw["checkpoint_indices"] = ck[:, 0]
+    elif bad == "dtype":
+        kw["checkpoint_indices"] = ck.float()
+    elif bad == "no_pool":
+        kw.update(initial_state=None, ssm_state_indices=None)
+    elif bad == "grad_h":
+        kw = dict(initial_state=pool[:2].clone().requires_grad_(), return_chunk_states=True)
+    ctx = torch.no_grad() if bad != "grad_h" else _null()
+    with pytest.raises(err, match=name), ctx:
+        chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, cu_seqlens=cu, **kw)
+    assert torch.equal(pool, before)

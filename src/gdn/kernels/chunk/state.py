@@ -223,7 +223,9 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                      final_state: Optional[torch.Tensor] = None, state_indices: Optional[torch.Tensor] = None,
                      segment_chunks: Optional[int] = None, chunk_index: Optional[ChunkIndex] = None,
                      dot_dtype: Optional[torch.dtype] = None, split_h: Optional[bool] = None,
-                     rk: Optional[torch.Tensor] = None, final_indices: Optional[torch.Tensor] = None):
+                     rk: Optional[torch.Tensor] = None, final_indices: Optional[torch.Tensor] = None,
+                     checkpoint_indices: Optional[torch.Tensor] = None, checkpoint_every: int = 0,
+                     checkpoint_pool: Optional[torch.Tensor] = None):
     """The sequential inter-chunk pass.
 
     k [B, T, H, K] (raw; L2-normalised in-kernel when asked), g_cum [B, T, HV] fp32, and either
@@ -237,6 +239,10 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     or written into ``final_state`` (e.g. the pool itself, rows ``state_indices[n]``, its dtype).
     ``final_indices`` ([N] int, with ``state_indices``): the final state goes to rows ``final_indices[n]`` of
     ``final_state`` instead (separate write rows; -1 = not written; a padding sequence writes nothing).
+    ``checkpoint_indices`` ([N, C] int) with ``checkpoint_every`` (a multiple of 64) and ``checkpoint_pool``
+    ([P, HV, ...] in ``state_layout``, default ``final_state``): the state of sequence n after its
+    ``(c + 1) * checkpoint_every``-th token -> pool row ``checkpoint_indices[n, c]`` (-1 / past the end: skipped;
+    padding sequences write nothing), in the same pass (the portable kernel: the Hopper pass says unsupported).
     v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
     ``segment_chunks``: None = heuristic / tuning table, -1 = never segment, n > 0 = segments of n chunks.
     ``split_h``: compute the h product of v_new as hi + lo half-precision parts (default: ``chunk_fwd.state_split_h``).
@@ -269,8 +275,9 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     KP = _pow2(K)
     BV = _state_bv(K, V, dev)
     xs, mats = (v, ainv) if from_ainv else (u, w)
+    ckpt = checkpoint_indices is not None and checkpoint_indices.shape[1] > 0
     sm90 = (cfg.state_sm90 and xs is not None and not split_h
-            and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, False))
+            and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, False, checkpoints=ckpt))
 
     def sm90_tile(programs_per_column_tile: int) -> int:
         """V tile of the sm_90 pass for a grid of ``programs_per_column_tile`` x (V / tile) CTAs; 0 = portable."""
@@ -303,9 +310,18 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         rk = l2_rnorm(k)
     rk_arg = rk if l2 else dummy
 
-    def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, **flags):
+    ck_kw = {}
+    if ckpt:
+        ck_pool = final_state if checkpoint_pool is None else checkpoint_pool
+        ck_idx = _written_rows(checkpoint_indices, idx, initial_state.shape[0] if initial_state is not None else 0)
+        ck_kw = dict(ck_pool=ck_pool, ck_idx=ck_idx, P2=ck_pool.shape[0], CK_E=int(checkpoint_every) // chunk_size,
+                     CK_C=ck_idx.shape[1], s_ckn=ck_idx.stride(0), CKPT=True)
+        ck_kw.update(zip(("s2n", "s2h", "s2k", "s2v"), _state_strides(ck_pool, state_layout)))
+
+    def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, ck=None, **flags):
         bv9 = sm90_tile(S * HV) if (n_extra == 0 and Vd == V) else 0
-        if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], False, split_h):
+        if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], False, split_h,
+                                    checkpoints=bool(ck)):
             # Hopper: the Gluon form of this pass (TMA ring, asynchronous wgmma; hopper.py)
             hopper.launch_state_pass(
                 (triton.cdiv(V, bv9), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, h_out, vn_out, h0, ht_,
@@ -325,7 +341,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 FROM_AINV=from_ainv, DT=_TL[dt], PREC=cfg.fp32_dot_precision, SPLIT_H=split_h,
                 STORE_H=h_out is not None, STORE_VNEW=vn_out is not None, STORE_FINAL=ht_ is not None,
                 num_warps=int(cfg.state_warps), num_stages=int(cfg.state_stages), maxnreg=cfg.state_maxnreg,
-                **flags)
+                **(ck or {}), **flags)
 
     s0 = _state_strides(initial_state, state_layout)
     s1 = _state_strides(ht, state_layout)
@@ -335,7 +351,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     if not plan.segmented:
         launch(V, BV, plan.S, h, v_new, initial_state, ht, idx, out_idx, P, P1, s0, s1,
                INIT=1 if initial_state is not None else 0, H0_BY_SEG=False, H0_INDEXED=idx is not None, HAS_U=has_u,
-               HT_BY_SEG=False, HT_INDEXED=idx is not None)
+               HT_BY_SEG=False, HT_INDEXED=idx is not None, ck=ck_kw)
         return h, v_new, ht
     # ---- segmented: local states from zero, transition matrices, merge, then the pass from the true starts
     S = plan.S
@@ -348,7 +364,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
            HT_INDEXED=False)
     hs = merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy, out_idx)
     launch(V, BV, S, h, v_new, hs, None, None, None, S, 0, vl, (0, 0, 0, 0), INIT=1,
-           H0_BY_SEG=True, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=False, HT_INDEXED=False)
+           H0_BY_SEG=True, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=False, HT_INDEXED=False, ck=ck_kw)
     return h, v_new, ht
 
 
