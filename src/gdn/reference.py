@@ -105,23 +105,32 @@ def _finish(o_parts, finals, v, B, T, output_final_state, state_layout, dt):
 # ----------------------------------------------------------------------------------------------------------------------
 def recurrent_gated_delta_rule_ref(q, k, v, g=None, beta=None, scale=None, initial_state=None,
                                    output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False, *,
-                                   state_layout="v_last", A_log=None, a=None, dt_bias=None, b=None):
-    """Token-by-token gated delta rule. Returns ``(o [B, T, HV, V], final_state or None)``."""
+                                   state_layout="v_last", A_log=None, a=None, dt_bias=None, b=None,
+                                   return_token_states=False):
+    """Token-by-token gated delta rule. Returns ``(o [B, T, HV, V], final_state or None)``; with
+    ``return_token_states`` a third value: per sequence, the states after each of its tokens ``[len, HV, ...]``
+    (``state_layout``, compute dtype), for checking per-token pool writes and checkpoints."""
     g, beta = resolve_gates(g, beta, A_log, a, dt_bias, b)
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     q, k, v_, g, beta, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
-    o_parts, finals = [], []
+    o_parts, finals, per_token = [], [], []
     for n, (bi, s, e) in enumerate(sequence_spans(B, T, cu_seqlens)):
         S = _initial(initial_state, n, HV, K, V, dt, q.device, state_layout)
+        states = []
         for t in range(s, e):
             S = S * torch.exp(g[bi, t])[:, None, None]
             kS = torch.einsum("hk,hkv->hv", k[bi, t], S)  # S^T k
             u = beta[bi, t][:, None] * (v_[bi, t] - kS)
             S = S + k[bi, t][:, :, None] * u[:, None, :]
             o_parts.append(torch.einsum("hk,hkv->hv", q[bi, t], S)[None])
+            if return_token_states:
+                states.append(_to_kv(S, state_layout))
         finals.append(S)
-    return _finish(o_parts, finals, v, B, T, output_final_state, state_layout, dt)
+        if return_token_states:
+            per_token.append(torch.stack(states) if states else S.new_zeros((0,) + _to_kv(S, state_layout).shape))
+    out = _finish(o_parts, finals, v, B, T, output_final_state, state_layout, dt)
+    return (*out, per_token) if return_token_states else out
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -129,8 +138,10 @@ def recurrent_gated_delta_rule_ref(q, k, v, g=None, beta=None, scale=None, initi
 # ----------------------------------------------------------------------------------------------------------------------
 def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, state_layout="v_last",
-                               chunk_size=64):
-    """Chunkwise-parallel gated delta rule (seeds 002 and 004).
+                               chunk_size=64, return_chunk_states=False):
+    """Chunkwise-parallel gated delta rule (seeds 002 and 004). Returns ``(o, final_state or None)``; with
+    ``return_chunk_states`` a third value h ``[NT, HV, K, V]`` (v_last order): the start state of every chunk of
+    every sequence, in sequence order (as the kernels' h).
 
     Per chunk of C tokens with cumulative log-gates ``c_r = g_1 + ... + g_r`` and start state ``S0``::
 
@@ -147,7 +158,7 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
     HV, V = v.shape[2], v.shape[3]
     q, k, v_, g, beta, dt = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     C = int(chunk_size)
-    o_parts, finals = [], []
+    o_parts, finals, starts = [], [], []
     for n, (bi, s, e) in enumerate(sequence_spans(B, T, cu_seqlens)):
         S = _initial(initial_state, n, HV, K, V, dt, q.device, state_layout)
         L = e - s
@@ -175,6 +186,7 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
         attn = (qc @ kc.transpose(-1, -2)) * gamma           # [HV, NC, C, C]
         outs = []
         for c in range(NC):
+            starts.append(S)
             vnew = U[:, c] - W[:, c] @ S
             outs.append((qc[:, c] * torch.exp(gc[:, c])[..., None]) @ S + attn[:, c] @ vnew)
             last = gc[:, c, -1]
@@ -183,7 +195,11 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
         o = torch.stack(outs, dim=1).reshape(HV, NC * C, V)[:, :L].transpose(0, 1)  # [L, HV, V]
         o_parts.append(o)
         finals.append(S)
-    return _finish(o_parts, finals, v, B, T, output_final_state, state_layout, dt)
+    out = _finish(o_parts, finals, v, B, T, output_final_state, state_layout, dt)
+    if return_chunk_states:
+        h = torch.stack(starts) if starts else q.new_zeros((0, HV, K, V))
+        return (*out, h)
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -123,6 +123,30 @@ def test_chunk_pool_prefill_compiles_fullgraph():
     assert rel_err(out, ref) < 1e-6 and torch.equal(p1, p2)
 
 
+def test_chunk_pool_checkpoints_and_write_rows_compile_fullgraph():
+    """Serving state (separate write rows, checkpoints) through the opaque pool op: the compiled graph writes the same
+    pool as eager."""
+    from gdn.ops import chunk_gated_delta_rule
+
+    x = make_inputs(1, 200, 1, 2, 16, 16, device=DEV)
+    cu = torch.tensor([0, 130, 200], device=DEV)
+    pool = torch.randn(8, 2, 16, 16, device=DEV)
+    idx, out = torch.tensor([3, 0], device=DEV), torch.tensor([1, 2], device=DEV)
+    ck = torch.tensor([[4, 5], [6, 7]], device=DEV)
+
+    def fn(q, k, v, g, beta, pool):
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=pool, cu_seqlens=cu, ssm_state_indices=idx,
+                                      output_state_indices=out, checkpoint_every_n_tokens=64,
+                                      checkpoint_indices=ck)[0] * 2
+
+    p1, p2 = pool.clone(), pool.clone()
+    with torch.no_grad():
+        ref = fn(x.q, x.k, x.v, x.g, x.beta, p1)
+        torch._dynamo.reset()
+        got = torch.compile(fn, fullgraph=True, backend="aot_eager")(x.q, x.k, x.v, x.g, x.beta, p2)
+    assert rel_err(got, ref) < 1e-6 and torch.equal(p1, p2) and not torch.equal(p1[[1, 2, 4, 5, 6]], pool[[1, 2, 4, 5, 6]])
+
+
 def test_gated_deltanet_layer_compiles_fullgraph():
     """A model calling the gdn ops (the GDN block: projections, conv, gates, chunked rule, gated RMSNorm) traces
     with fullgraph=True, forward and backward, and matches eager, parameter gradients included."""

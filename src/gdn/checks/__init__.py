@@ -12,7 +12,7 @@ from typing import Callable, List
 
 import torch
 
-MODULES = ["gate", "recurrent", "decode", "chunk", "chunk_backward", "conv", "norm", "layer"]
+MODULES = ["gate", "recurrent", "decode", "chunk", "chunk_backward", "conv", "norm", "layer", "serving"]
 
 
 @dataclass

@@ -18,6 +18,9 @@ Constexpr switches:
   ``num_accepted[n] - 1`` with ``SPEC``, else 0).
 - ``WRITE_MODE``: 0 none, 1 row n of ``state_out`` (a new [N, ...] tensor), 2 the row that was read (in place),
   3 per token: the state after token t goes to pool row ``idx[n, t]`` (2-D indices).
+- ``OUT_IDX`` (write modes 2 / 3): a separate write index ``out_idx`` of the read index's shape (serving state: read
+  slot != write slot): the state goes to pool row ``out_idx[n]`` (mode 2) / ``out_idx[n, t]`` (mode 3) instead of
+  the read row / ``idx[n, t]``; -1 or out of range = not written (a padding sequence writes nothing either).
 - ``K_LAST``: state rows stored ``[V, K]`` instead of ``[K, V]``.
 - ``CACHE`` (multi-token kernel only): the state after token t of sequence n also goes to the per-token buffer
   ``cache`` at ``cache_idx[n] * s_cache + t * HV*K*V`` (state layout as above; slot < 0 = not cached).
@@ -114,6 +117,28 @@ def _start_row(idx, num_accepted, i_n, s_idx, n_cols, P_in, READ_MODE: tl.conste
 
 
 @triton.jit
+def _write_row(idx, out_idx, i_n, t, s_idx, s_oidx, n_cols, row_in, valid, P_out, WRITE_MODE: tl.constexpr,
+               OUT_IDX: tl.constexpr):
+    """(row, ok) of the pool row that takes the state after token ``t`` (mode 3) or the final state (mode 2):
+    ``out_idx[n, t]`` / ``out_idx[n]`` with OUT_IDX, else ``idx[n, t]`` / the row that was read; rows out of
+    [0, P_out) and padding sequences (not ``valid``) are not written."""
+    if WRITE_MODE == 3:
+        tc = tl.minimum(t, n_cols - 1)
+        if OUT_IDX:
+            row = tl.load(out_idx + i_n * s_oidx + tc).to(tl.int64)
+        else:
+            row = tl.load(idx + i_n * s_idx + tc).to(tl.int64)
+        ok = valid & (t < n_cols) & (row >= 0) & (row < P_out)
+    elif OUT_IDX:
+        row = tl.load(out_idx + i_n).to(tl.int64)
+        ok = valid & (row >= 0) & (row < P_out)
+    else:
+        row = row_in
+        ok = valid
+    return row, ok
+
+
+@triton.jit
 def recurrent_gdn_fwd_kernel(
     q, k, v, g, beta, A_log, a, dt_bias, b,
     o, state_in, state_out, idx, num_accepted, cu_seqlens,
@@ -125,7 +150,7 @@ def recurrent_gdn_fwd_kernel(
     L2NORM: tl.constexpr, READ_MODE: tl.constexpr, IDX_2D: tl.constexpr, SPEC: tl.constexpr,
     WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr, STAGES: tl.constexpr,
     cache=None, cache_idx=None, parent=None, s_cache=0, s_par_n=0, s_par_t=0,
-    CACHE: tl.constexpr = False, TREE: tl.constexpr = False,
+    CACHE: tl.constexpr = False, TREE: tl.constexpr = False, out_idx=None, s_oidx=0, OUT_IDX: tl.constexpr = False,
 ):
     """Several tokens per sequence (varlen, speculative verification); single-token decode is :func:`decode_kernel`.
     Program = (sequence, value head) x BV value columns."""
@@ -190,17 +215,19 @@ def recurrent_gdn_fwd_kernel(
             if CACHE:  # the state after token t goes to the per-token buffer
                 tl.store(cache + tl.maximum(slot, 0) * s_cache + t * (HV * K * V) + head_off + o_s,
                          b_s.to(cache.dtype.element_ty), mask=m_s & (slot >= 0))
-            if WRITE_MODE == 3:  # the state after token t goes to pool row idx[n, t]
-                row_t = tl.load(idx + i_n.to(tl.int64) * s_idx + tl.minimum(t, n_cols - 1)).to(tl.int64)
-                ok_t = (t < n_cols) & (row_t >= 0) & (row_t < P_out)
+            if WRITE_MODE == 3:  # the state after token t goes to pool row idx[n, t] (out_idx[n, t])
+                row_t, ok_t = _write_row(idx, out_idx, i_n.to(tl.int64), t, s_idx, s_oidx, n_cols, row_in, valid,
+                                         P_out, WRITE_MODE, OUT_IDX)
                 tl.store(state_out + row_t * (HV * K * V) + head_off + o_s, b_s.to(state_out.dtype.element_ty),
                          mask=m_s & ok_t)
         if WRITE_MODE == 1:
             tl.store(state_out + i_n.to(tl.int64) * (HV * K * V) + head_off + o_s,
                      b_s.to(state_out.dtype.element_ty), mask=m_s)
         elif WRITE_MODE == 2:
-            tl.store(state_out + row_in * (HV * K * V) + head_off + o_s, b_s.to(state_out.dtype.element_ty),
-                     mask=m_s)
+            row_w, ok_w = _write_row(idx, out_idx, i_n.to(tl.int64), 0, s_idx, s_oidx, n_cols, row_in, valid, P_out,
+                                     WRITE_MODE, OUT_IDX)
+            tl.store(state_out + row_w * (HV * K * V) + head_off + o_s, b_s.to(state_out.dtype.element_ty),
+                     mask=m_s & ok_w)
     else:
         # padding sequence: zeros out, no state row read or written
         for t in range(0, seq_len):
@@ -247,6 +274,7 @@ def decode_kernel(
     GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr, L2NORM: tl.constexpr, READ_MODE: tl.constexpr,
     IDX_2D: tl.constexpr, SPEC: tl.constexpr, WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr,
     TILES: tl.constexpr, STAGES: tl.constexpr, STORE_CACHE: tl.constexpr,
+    out_idx=None, s_oidx=0, OUT_IDX: tl.constexpr = False,
 ):
     """Single-token decode (T = 1, N = B sequences). Program = (sequence, value head, TILES consecutive tiles of BV
     value columns; the host makes TILES divide the head's tiles). TILES == 1: straight-line code, the state load
@@ -262,15 +290,12 @@ def decode_kernel(
     i_hv = i_nh % HV
     i_h = i_hv // (HV // H)
     row_in, valid = _start_row(idx, num_accepted, i_n, s_idx, n_cols, P_in, READ_MODE, IDX_2D, SPEC)
-    if WRITE_MODE == 3:  # the state after the token goes to pool row idx[n, 0]
-        row_out = tl.load(idx + i_n * s_idx).to(tl.int64)
-        ok_out = valid & (row_out >= 0) & (row_out < P_out)
-    elif WRITE_MODE == 1:
+    if WRITE_MODE == 1:
         row_out = i_n
         ok_out = valid
-    else:
-        row_out = row_in
-        ok_out = valid
+    else:  # mode 3: pool row idx[n, 0] (out_idx[n, 0]); mode 2: the row read (out_idx[n])
+        row_out, ok_out = _write_row(idx, out_idx, i_n, 0, s_idx, s_oidx, n_cols, row_in, valid, P_out, WRITE_MODE,
+                                     OUT_IDX)
     head = i_hv.to(tl.int64) * (K * V)
     p_in = state_in + row_in * (HV * K * V) + head
     p_out = state_out + row_out * (HV * K * V) + head
@@ -348,8 +373,15 @@ def _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num
     return ptrs, pool, modes
 
 
+def _out_idx_args(out_idx) -> dict:
+    """Kernel keywords of the separate write index (serving state), none without one."""
+    if out_idx is None:
+        return {}
+    return dict(out_idx=out_idx, s_oidx=out_idx.stride(0) if out_idx.dim() == 2 else 1, OUT_IDX=True)
+
+
 def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted, read_mode,
-            write_mode, l2norm, k_last, N):
+            write_mode, l2norm, k_last, N, out_idx=None):
     st = state_in if state_in is not None else state_out
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
@@ -365,18 +397,20 @@ def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_ou
         q, k, v, *ptrs, float(scale), P_in, P_out, n_cols,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), s_idx,
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, L2NORM=bool(l2norm), READ_MODE=read_mode, WRITE_MODE=write_mode,
-        K_LAST=bool(k_last), TILES=tiles, STAGES=stages, STORE_CACHE=store_cache, **modes, **kw)
+        K_LAST=bool(k_last), TILES=tiles, STAGES=stages, STORE_CACHE=store_cache, **modes, **_out_idx_args(out_idx),
+        **kw)
     return o
 
 
 def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_bias=None, b=None, scale: float,
                       state_in=None, state_out=None, idx=None, num_accepted=None, cu_seqlens=None,
                       read_mode: int, write_mode: int, l2norm: bool, k_last: bool, seqlen: int, num_seqs: int,
-                      cache=None, cache_idx=None, parent=None):
+                      cache=None, cache_idx=None, parent=None, out_idx=None):
     """Launch :func:`decode_kernel` (one token per sequence, no cu_seqlens) or the multi-token kernel. All tensors
     validated by the caller; ``o`` preallocated [B, T, HV, V]. ``cache`` (per-token states, slot ``cache_idx[n]``,
     slot pitch ``cache.stride(0)``, token pitch HV*K*V) and ``parent`` ([N, T_max] parent token per token, tree
-    verification) switch on the kernel's CACHE / TREE modes."""
+    verification) switch on the kernel's CACHE / TREE modes; ``out_idx`` (the read index's shape, contiguous last
+    dim) the separate write rows of write modes 2 / 3."""
     H, K = q.shape[2], q.shape[3]
     HV, V = v.shape[2], v.shape[3]
     N = num_seqs
@@ -389,7 +423,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
                     s_par_t=0 if parent is None else parent.stride(1), CACHE=True, TREE=parent is not None)
     elif cu_seqlens is None and seqlen == 1:
         return _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted,
-                       read_mode, write_mode, l2norm, k_last, N)
+                       read_mode, write_mode, l2norm, k_last, N, out_idx)
     BV, warps, stages = _recurrent_config(N, HV, K, V, q.device)
     if parent is not None:  # no software pipelining: a parent's state is read back after this program stored it
         stages = 1
@@ -401,6 +435,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
         v.stride(0), v.stride(1), v.stride(2), s_idx,
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, VARLEN=cu_seqlens is not None, L2NORM=bool(l2norm),
         READ_MODE=read_mode, WRITE_MODE=write_mode, K_LAST=bool(k_last), STAGES=stages, **modes, **tree,
+        **_out_idx_args(out_idx),
         num_warps=warps, num_stages=stages,
     )
     return o

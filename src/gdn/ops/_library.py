@@ -228,15 +228,20 @@ chunk_fwd.register_autograd(_chunk_backward, setup_context=_chunk_setup)
 @torch.library.custom_op("gdn::chunk_fwd_pool", mutates_args=("pool",))
 def chunk_fwd_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, pool: Tensor, state_indices: Tensor,
                    cu_seqlens: Optional[Tensor], scale: float, l2norm: bool, chunk_size: int,
-                   state_layout: str) -> Tensor:
-    """Inference prefill over a state pool: initial states read from, final states written to the pool rows."""
+                   state_layout: str, output_state_indices: Optional[Tensor] = None,
+                   checkpoint_indices: Optional[Tensor] = None, checkpoint_every: int = 0) -> Tensor:
+    """Inference prefill over a state pool: initial states read from, final states written to the pool rows (or to
+    ``output_state_indices``)."""
     from ..kernels.chunk.forward import chunk_gated_delta_rule_fwd
 
     o, _, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, pool, False, cu_seqlens, chunk_size, l2norm,
-                                         state_layout=state_layout, state_indices=state_indices, final_state=pool)
+                                         state_layout=state_layout, state_indices=state_indices, final_state=pool,
+                                         final_indices=output_state_indices, checkpoint_indices=checkpoint_indices,
+                                         checkpoint_every=checkpoint_every)
     return o
 
 
 @chunk_fwd_pool.register_fake
-def _(q, k, v, g, beta, pool, state_indices, cu_seqlens, scale, l2norm, chunk_size, state_layout):
+def _(q, k, v, g, beta, pool, state_indices, cu_seqlens, scale, l2norm, chunk_size, state_layout,
+      output_state_indices=None, checkpoint_indices=None, checkpoint_every=0):
     return v.new_empty(v.shape)

@@ -180,3 +180,50 @@ def scale_value(scale, K: int) -> float:
     if not isinstance(scale, (int, float)) or isinstance(scale, bool):
         raise TypeError(f"scale: expected a float or None, got {type(scale).__name__}")
     return float(scale)
+
+
+def write_indices(name: str, out_idx, read_idx: torch.Tensor, read_name: str, P: int, device: torch.device,
+                  read_rows: Optional[torch.Tensor] = None, extra: Sequence = ()) -> None:
+    """Validate separate write rows (``output_state_indices``, serving state): the shape and dtype rules of the read
+    indices ``read_idx``, values in [-1, P), and (host check) no pool row written by two sequences or written by one
+    sequence and read by another (``read_rows`` [N]: the row each sequence reads, default ``read_idx`` 1-D / column
+    0). ``extra``: further (name, [N, C] rows) written per sequence (checkpoints), taking part in the same checks."""
+    tensor(name, out_idx, dtypes=INDEX_DTYPES, device=device, shape_doc=f"(the shape of {read_name})")
+    if tuple(out_idx.shape) != tuple(read_idx.shape):
+        raise ValueError(f"{name}: expected the shape of {read_name} {tuple(read_idx.shape)}, got "
+                         f"{tuple(out_idx.shape)}")
+    pool_indices(name, out_idx, read_idx.shape[0], P, device, allow_2d=out_idx.dim() == 2)
+    writes = [(name, out_idx)] + list(extra)
+    unique_write_rows(writes, read_idx if read_rows is None else read_rows, device)
+
+
+def unique_write_rows(writes: Sequence, read_rows: Optional[torch.Tensor], device: torch.device) -> None:
+    """Host check (skipped under capture / tracing): over all (name, rows [N] or [N, C]) in ``writes``, no
+    non-negative row is written by two sequences, nor written by one sequence and read by another (``read_rows``
+    [N] or [N, C], column 0 = the row read; None = no read check). One sequence may name a row twice (its writes are
+    ordered)."""
+    if not host_checks_allowed(device) or not writes or writes[0][1].shape[0] == 0:
+        return
+    vals, seqs, which = [], [], []
+    for i, (name, rows) in enumerate(writes):
+        r = rows.detach().to("cpu", torch.int64).reshape(rows.shape[0], -1)
+        n_of = torch.arange(r.shape[0]).unsqueeze(1).expand_as(r)
+        m = r >= 0
+        vals.append(r[m]), seqs.append(n_of[m]), which.append(torch.full((int(m.sum()),), i))
+    vals, seqs, which = torch.cat(vals), torch.cat(seqs), torch.cat(which)
+    pairs, first = torch.unique(torch.stack([vals, seqs]), dim=1, return_inverse=True)
+    src = torch.empty(pairs.shape[1], dtype=torch.int64).scatter_(0, first, which)  # a name per (row, sequence)
+    dup = (pairs[0, 1:] == pairs[0, :-1]).nonzero()  # unique() sorts by row first: equal rows are adjacent
+    if dup.numel():
+        j = int(dup[0])
+        raise ValueError(f"{writes[int(src[j + 1])][0]}: pool row {int(pairs[0, j])} is written by two sequences "
+                         f"({int(pairs[1, j])} via {writes[int(src[j])][0]} and {int(pairs[1, j + 1])}); give each "
+                         f"sequence its own write rows")
+    if read_rows is not None and pairs.shape[1]:
+        rr = read_rows.detach().to("cpu", torch.int64).reshape(read_rows.shape[0], -1)[:, 0]
+        writer = dict(zip(pairs[0].tolist(), zip(pairs[1].tolist(), src.tolist())))
+        for n, val in enumerate(rr.tolist()):
+            if val >= 0 and val in writer and writer[val][0] != n:
+                raise ValueError(f"{writes[writer[val][1]][0]}: pool row {val} is written by sequence "
+                                 f"{writer[val][0]} and read by sequence {n} in the same call; the order would be "
+                                 f"undefined")

@@ -22,7 +22,8 @@ def _needs_grad(*tensors) -> bool:
 
 
 def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
-              state_layout, ssm_state_indices, chunk_size):
+              state_layout, ssm_state_indices, chunk_size, output_state_indices=None, checkpoint_every_n_tokens=None,
+              checkpoint_indices=None, return_chunk_states=False):
     q = V_.tensor("q", q, ndim=4, dtypes=V_.FLOAT_DTYPES, shape_doc="[B, T, H, K]")
     dev = q.device
     B, T, H, K = q.shape
@@ -66,7 +67,43 @@ def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
         if _needs_grad(q, k, v, g, beta, initial_state):
             raise ValueError("ssm_state_indices: state pools are inference-only; call under torch.no_grad() or pass "
                              "initial_state without ssm_state_indices to differentiate")
+    ck = _validate_checkpoints(checkpoint_every_n_tokens, checkpoint_indices, ssm_state_indices, initial_state, N,
+                               chunk_size, dev)
+    if output_state_indices is not None:
+        if ssm_state_indices is None:
+            raise ValueError("output_state_indices: needs a state pool (ssm_state_indices and initial_state [P, ...])")
+        V_.write_indices("output_state_indices", output_state_indices, ssm_state_indices, "ssm_state_indices",
+                         initial_state.shape[0], dev, extra=ck)
+    elif ck:
+        V_.unique_write_rows([("ssm_state_indices", ssm_state_indices)] + ck, ssm_state_indices, dev)
+    if not isinstance(return_chunk_states, bool):
+        raise TypeError(f"return_chunk_states: expected a bool, got {type(return_chunk_states).__name__}")
+    if return_chunk_states and _needs_grad(q, k, v, g, beta, initial_state):
+        raise ValueError("return_chunk_states: inference only; call under torch.no_grad()")
     return scale, layout, N
+
+
+def _validate_checkpoints(every, ck, idx, pool, N, chunk_size, dev) -> list:
+    """Checks of ``checkpoint_every_n_tokens`` / ``checkpoint_indices``; returns ``[("checkpoint_indices", ck)]``
+    (the extra write rows for the uniqueness check) or [] when off."""
+    if every is None and ck is None:
+        return []
+    if ck is None:
+        raise ValueError("checkpoint_indices: required with checkpoint_every_n_tokens (pool rows [N, C], -1 = skip)")
+    if every is None:
+        raise ValueError("checkpoint_every_n_tokens: required with checkpoint_indices")
+    if isinstance(every, bool) or not isinstance(every, int):
+        raise TypeError(f"checkpoint_every_n_tokens: expected an int, got {type(every).__name__}")
+    if every <= 0 or every % chunk_size:
+        raise ValueError(f"checkpoint_every_n_tokens: expected a positive multiple of chunk_size = {chunk_size}, got "
+                         f"{every}")
+    if idx is None:
+        raise ValueError("checkpoint_indices: needs a state pool (ssm_state_indices and initial_state [P, ...]); the "
+                         "checkpoints are written into its rows")
+    V_.tensor("checkpoint_indices", ck, ndim=2, dtypes=V_.INDEX_DTYPES, device=dev, shape_doc="[N, C]")
+    V_.shape("checkpoint_indices", ck, (N, None), "[N, C]")
+    V_.pool_indices("checkpoint_indices", ck, N, pool.shape[0], dev, allow_2d=True)
+    return [("checkpoint_indices", ck)]
 
 
 def _validate_triton_limits(q, v):
@@ -80,28 +117,42 @@ def _validate_triton_limits(q, v):
 # ----------------------------------------------------------------------------------------------------------------------
 # torch path
 # ----------------------------------------------------------------------------------------------------------------------
-def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size):
+def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size,
+                out_idx=None, ck=None, every=0, want_h=False):
     from gdn.reference import chunk_gated_delta_rule_ref, sequence_spans
 
     if idx is None:
-        o, ht = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2,
-                                           state_layout=layout, chunk_size=chunk_size)
-        return o, (None if ht is None else ht.to(torch.float32))
+        o, ht, *h = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                               l2, state_layout=layout, chunk_size=chunk_size,
+                                               return_chunk_states=want_h)
+        return (o, (None if ht is None else ht.to(torch.float32))) + ((h[0].to(torch.float32),) if want_h else ())
     pool = initial_state
     P = pool.shape[0]
     il = idx.to(torch.int64)
     valid = (il >= 0) & (il < P)
     h0 = torch.zeros((il.shape[0],) + tuple(pool.shape[1:]), dtype=torch.float32, device=pool.device)
     h0[valid] = pool[il[valid]].to(torch.float32)
-    o, fin = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, True, cu_seqlens, l2, state_layout=layout,
-                                        chunk_size=chunk_size)
+    o, fin, h = chunk_gated_delta_rule_ref(q, k, v, g, beta, scale, h0, True, cu_seqlens, l2, state_layout=layout,
+                                           chunk_size=chunk_size, return_chunk_states=True)
     B, T = q.shape[:2]
     vl = valid.tolist()
+    off = 0  # chunk row of the sequence's first chunk in h
     for n, (bi, s, e) in enumerate(sequence_spans(B, T, cu_seqlens)):
+        nc = -(-(e - s) // chunk_size)
         if not vl[n]:
             o[bi, s:e] = 0
-    pool[il[valid]] = fin[valid].to(pool.dtype)
-    return o, (pool if output_final_state else None)
+        elif ck is not None:  # checkpoint c = the start state of chunk (c + 1) * every / C, or the final state
+            for c, r in enumerate(ck[n].tolist()):
+                tok = (c + 1) * every
+                if 0 <= r < P and tok <= e - s:
+                    st = h[off + tok // chunk_size] if tok < e - s else (
+                        fin[n] if layout == "v_last" else fin[n].transpose(-1, -2))
+                    pool[r] = (st if layout == "v_last" else st.transpose(-1, -2)).to(pool.dtype)
+        off += nc
+    wl = il if out_idx is None else out_idx.to(torch.int64)
+    wvalid = valid & (wl >= 0) & (wl < P)
+    pool[wl[wvalid]] = fin[wvalid].to(pool.dtype)
+    return (o, (pool if output_final_state else None)) + ((h.to(torch.float32),) if want_h else ())
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -151,14 +202,17 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
 
 def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size,
-                 cu_host=None):
+                 cu_host=None, out_idx=None, ck=None, every=0, want_h=False):
     if beta is None:
         beta = torch.ones((), dtype=torch.float32, device=q.device).expand(g.shape)
     if torch.compiler.is_compiling():  # opaque torch.library ops (gdn/ops/_library.py): no graph break
         from ._library import chunk_fwd, chunk_fwd_pool
 
+        if want_h:
+            raise ValueError("return_chunk_states: not available under torch.compile (call the op eagerly)")
         if idx is not None:
-            o = chunk_fwd_pool(q, k, v, g, beta, initial_state, idx, cu_seqlens, scale, l2, chunk_size, layout)
+            o = chunk_fwd_pool(q, k, v, g, beta, initial_state, idx, cu_seqlens, scale, l2, chunk_size, layout,
+                               out_idx, ck, int(every))
             return o, (initial_state if output_final_state else None)
         h0 = initial_state
         if h0 is not None:
@@ -184,18 +238,21 @@ def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
     from gdn.kernels.chunk.forward import chunk_gated_delta_rule_fwd
 
     if idx is None:
-        o, ht, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                              chunk_size, l2, state_layout=layout, cu_seqlens_cpu=cu_host)
-        return o, ht
+        o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                                cu_seqlens, chunk_size, l2, state_layout=layout, cu_seqlens_cpu=cu_host)
+        return (o, ht) + ((aux["h"],) if want_h else ())
     pool = initial_state
-    o, _, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, pool, False, cu_seqlens, chunk_size, l2,
-                                         state_layout=layout, state_indices=idx, final_state=pool, cu_seqlens_cpu=cu_host)
-    return o, (pool if output_final_state else None)
+    o, _, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, pool, False, cu_seqlens, chunk_size, l2,
+                                           state_layout=layout, state_indices=idx, final_state=pool,
+                                           cu_seqlens_cpu=cu_host, final_indices=out_idx, checkpoint_indices=ck,
+                                           checkpoint_every=int(every or 0))
+    return (o, (pool if output_final_state else None)) + ((aux["h"],) if want_h else ())
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, state_layout="v_last",
-                           ssm_state_indices=None, chunk_size=64, cu_seqlens_cpu=None):
+                           ssm_state_indices=None, chunk_size=64, cu_seqlens_cpu=None, output_state_indices=None,
+                           checkpoint_every_n_tokens=None, checkpoint_indices=None, return_chunk_states=False):
     """Chunked gated delta rule (prefill / training).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (strided views with a contiguous last dim are read in place); g, beta
@@ -203,7 +260,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     or ``[N, HV, V, K]`` (``"k_last"``); with ``ssm_state_indices`` ``[N]`` it is a pool ``[P, HV, ...]``: sequence n
     reads row ``ssm_state_indices[n]`` and its final state is written back into that row in place (pool dtype; -1 =
     padding: zeros out, nothing read or written), and the pool itself is returned as final state when
-    ``output_final_state``. Returns ``(o [B, T, HV, V] in v's dtype, final_state fp32 or None)``.
+    ``output_final_state``. ``output_state_indices`` ``[N]`` (with a pool): the final state goes to that row
+    instead (-1 = not written; the read row stays untouched; two sequences writing one row, or one writing a row that
+    another reads, is a ValueError). Prefix-cache checkpoints (with a pool): ``checkpoint_every_n_tokens`` (a
+    positive multiple of ``chunk_size``) and ``checkpoint_indices`` ``[N, C]`` (int, -1 = skip): the state of sequence
+    n after its ``(c + 1) * checkpoint_every_n_tokens``-th token (its start state included) is written to pool row
+    ``checkpoint_indices[n, c]`` in the pool's dtype and layout during the same pass (checkpoints past the end: not
+    written); it equals the final state of a prefill that stops there. ``return_chunk_states`` (inference, eager):
+    a third return value h ``[NT, HV, K, V]`` (v_last order whatever ``state_layout``; fp32 or the kernels'
+    tensor-core dtype): the state at the start of every chunk of C tokens, sequences in order, for callers that keep
+    their own prefix cache (SGLang). Returns ``(o [B, T, HV, V] in v's dtype, final_state fp32 or None)``.
     Differentiable w.r.t. q, k, v, g, beta and ``initial_state`` (not a pool).
     ``cu_seqlens_cpu``: the values of ``cu_seqlens`` on the host (CPU int tensor or sequence of ints; as fla's and
     vLLM's precomputed chunk metadata): then nothing reads ``cu_seqlens`` back from the device, so the call does not
@@ -213,13 +279,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     cu_host = V_.cu_seqlens_host("cu_seqlens_cpu", cu_seqlens_cpu, cu_seqlens)
     scale, layout, N = _validate(q, k, v, g, beta, scale, initial_state, output_final_state,
                                  cu_seqlens if cu_host is None else (cu_seqlens, cu_host),
-                                 use_qk_l2norm_in_kernel, state_layout, ssm_state_indices, chunk_size)
+                                 use_qk_l2norm_in_kernel, state_layout, ssm_state_indices, chunk_size,
+                                 output_state_indices, checkpoint_every_n_tokens, checkpoint_indices,
+                                 return_chunk_states)
+    extra = dict(out_idx=output_state_indices, ck=checkpoint_indices, every=checkpoint_every_n_tokens or 0,
+                 want_h=return_chunk_states)
     if not use_triton(q.device):
         return _torch_path(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
-                           bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size)
+                           bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size, **extra)
     _validate_triton_limits(q, v)
     return _triton_path(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
-                        bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size, cu_host)
+                        bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size, cu_host, **extra)
 
 
 __all__ = ["chunk_gated_delta_rule", "ChunkGatedDeltaRuleFunction"]

@@ -87,7 +87,8 @@ def _validate_state(name, st, rows, HV, K, Vd, layout, dev):
 
 def plan_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_layout,
                    ssm_state_indices, num_accepted_tokens, inplace_final_state, A_log, a, dt_bias, b, *,
-                   state_name="initial_state", indices_name="ssm_state_indices") -> RecurrentPlan:
+                   state_name="initial_state", indices_name="ssm_state_indices",
+                   output_state_indices=None) -> RecurrentPlan:
     B, T, H, K, HV, Vd = validate_qkv(q, k, v)
     dev = q.device
     validate_gates(B, T, HV, dev, g, beta, A_log, a, dt_bias, b)
@@ -121,6 +122,17 @@ def plan_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, c
                                  f"ssm_state_indices), got range [{lo}, {hi}]")
     if inplace_final_state and initial_state is None:
         raise ValueError("inplace_final_state: needs initial_state (the state or pool to update in place)")
+    if output_state_indices is not None:
+        if not pool:
+            raise ValueError(f"output_state_indices: needs a state pool ({indices_name} and {state_name} [P, ...])")
+        if not inplace_final_state:
+            raise ValueError("output_state_indices: the pool rows are written only with inplace_final_state=True")
+        read_rows = None
+        if ssm_state_indices.dim() == 2 and num_accepted_tokens is not None and V_.host_checks_allowed(dev) and N:
+            col = (num_accepted_tokens.to(torch.int64) - 1).clamp(0, ssm_state_indices.shape[1] - 1)
+            read_rows = ssm_state_indices.gather(1, col[:, None].to(ssm_state_indices.device))
+        V_.write_indices("output_state_indices", output_state_indices, ssm_state_indices, indices_name,
+                         initial_state.shape[0], dev, read_rows=read_rows)
 
     read_mode = READ_POOL if pool else (READ_ROW if initial_state is not None else READ_ZERO)
     if inplace_final_state:
@@ -138,7 +150,7 @@ def _cache_row(cache, slot: int, t: int) -> torch.Tensor:
 
 
 def _recurrent_torch(q, k, v, o, plan: RecurrentPlan, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx,
-                     num_accepted, cu_seqlens, l2norm, cache=None, cache_idx=None, parent=None):
+                     num_accepted, cu_seqlens, l2norm, cache=None, cache_idx=None, parent=None, out_idx=None):
     """The torch path: the same semantics as the kernel, one sequence at a time, fp32 state arithmetic (``cache`` /
     ``parent``: the kernel's per-token state buffer and tree verification, see :func:`run_recurrent`)."""
     g, beta = ref.resolve_gates(g, beta, A_log, a, dt_bias, b)
@@ -152,6 +164,7 @@ def _recurrent_torch(q, k, v, o, plan: RecurrentPlan, g, beta, A_log, a, dt_bias
     beta = torch.ones_like(g) if beta is None else beta.to(dt)
     kv = (lambda s: s) if plan.state_layout == "v_last" else (lambda s: s.transpose(-1, -2))
     P_in = state_in.shape[0] if state_in is not None else 0
+    widx = idx if out_idx is None else out_idx
     for n, (bi, s, e) in enumerate(ref.sequence_spans(plan.B, plan.T, cu_seqlens)):
         if plan.read_mode == READ_POOL:
             col = int(num_accepted[n]) - 1 if num_accepted is not None else 0
@@ -176,25 +189,28 @@ def _recurrent_torch(q, k, v, o, plan: RecurrentPlan, g, beta, A_log, a, dt_bias
             if slot >= 0:
                 _cache_row(cache, slot, t - s).copy_(kv(S))
             if plan.write_mode == WRITE_PER_TOKEN:
-                r = int(idx[n, t - s])
+                r = int(widx[n, t - s])
                 if 0 <= r < state_out.shape[0]:
                     state_out[r] = kv(S).to(state_out.dtype)
         if plan.write_mode == WRITE_NEW:
             state_out[n] = kv(S).to(state_out.dtype)
         elif plan.write_mode == WRITE_SAME_ROW:
-            state_out[row] = kv(S).to(state_out.dtype)
+            r = row if out_idx is None else int(out_idx[n])
+            if 0 <= r < state_out.shape[0]:
+                state_out[r] = kv(S).to(state_out.dtype)
     return o
 
 
 def _launch(q, k, v, o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted, cu_seqlens, scale,
-            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs, cache=None, cache_idx=None, parent=None):
+            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs, cache=None, cache_idx=None, parent=None,
+            out_idx=None):
     from ..kernels.recurrent import recurrent_gdn_fwd
 
     recurrent_gdn_fwd(q, k, v, o, g=g, beta=beta, A_log=A_log, a=a, dt_bias=dt_bias, b=b, scale=scale,
                       state_in=state_out if state_in is None and read_mode != READ_ZERO else state_in,
                       state_out=state_out, idx=idx, num_accepted=num_accepted, cu_seqlens=cu_seqlens,
                       read_mode=read_mode, write_mode=write_mode, l2norm=l2norm, k_last=k_last, seqlen=seqlen,
-                      num_seqs=num_seqs, cache=cache, cache_idx=cache_idx, parent=parent)
+                      num_seqs=num_seqs, cache=cache, cache_idx=cache_idx, parent=parent, out_idx=out_idx)
 
 
 @torch.library.custom_op("gdn::recurrent_fwd", mutates_args=("o", "state_out", "cache"))
@@ -205,11 +221,11 @@ def _recurrent_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torc
                       num_accepted: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
                       read_mode: int, write_mode: int, l2norm: bool, k_last: bool, seqlen: int, num_seqs: int,
                       cache: Optional[torch.Tensor] = None, cache_idx: Optional[torch.Tensor] = None,
-                      parent: Optional[torch.Tensor] = None) -> None:
+                      parent: Optional[torch.Tensor] = None, out_idx: Optional[torch.Tensor] = None) -> None:
     """The kernel launch as a torch.library op, so torch.compile traces the ops without a graph break. In-place
     modes pass the pool as ``state_out`` only (``state_in`` None): no two arguments alias."""
     _launch(q, k, v, o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted, cu_seqlens, scale,
-            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs, cache, cache_idx, parent)
+            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs, cache, cache_idx, parent, out_idx)
 
 
 @_recurrent_fwd_op.register_fake
@@ -220,14 +236,15 @@ def _(*args):
 def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None, a=None, dt_bias=None, b=None,
                   initial_state=None, ssm_state_indices=None, num_accepted_tokens=None, cu_seqlens=None,
                   l2norm=False, out: Optional[torch.Tensor] = None, cache: Optional[torch.Tensor] = None,
-                  cache_idx: Optional[torch.Tensor] = None, parent: Optional[torch.Tensor] = None):
+                  cache_idx: Optional[torch.Tensor] = None, parent: Optional[torch.Tensor] = None,
+                  output_state_indices: Optional[torch.Tensor] = None):
     """Allocate outputs and run the kernel (or the torch path). Returns (o, final_state_or_None).
 
     ``cache`` ``[S, T_c, HV, ...]`` (state layout; slot pitch ``cache.stride(0)``, token pitch ``stride(1)`` = one
     state; addressed by strides, so T_c may be smaller than the tokens a slot takes) with ``cache_idx`` ``[N]`` (-1 = none): the state after token t of sequence n is also
     written to ``cache[cache_idx[n], t]``. ``parent`` ``[N, T_max]`` (needs ``cache``): tree verification, token
     t > 0 of a cached sequence starts from the state after token ``parent[n, t]`` (negative: the start state).
-    Validated by the caller."""
+    ``output_state_indices``: separate pool write rows (in-place modes). Validated by the caller."""
     o = out if out is not None else torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if plan.write_mode == WRITE_NEW:
         final = torch.empty((plan.N,) + V_.state_shape(plan.HV, plan.K, plan.V, plan.state_layout),
@@ -241,11 +258,13 @@ def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None
         contig = lambda x: None if x is None else x.contiguous()  # noqa: E731  (gates are [B, T, HV]: small)
         if ssm_state_indices is not None and ssm_state_indices.dim() == 1:
             ssm_state_indices = ssm_state_indices.contiguous()  # the kernel reads idx[n] with stride 1
+        if output_state_indices is not None and output_state_indices.dim() == 1:
+            output_state_indices = output_state_indices.contiguous()
         inplace = plan.write_mode in (WRITE_SAME_ROW, WRITE_PER_TOKEN)
         args = (q, k, v, o, contig(g), contig(beta), contig(A_log), contig(a), contig(dt_bias), contig(b),
                 None if inplace else state_in, final, ssm_state_indices, num_accepted_tokens, cu_seqlens,
                 plan.scale, plan.read_mode, plan.write_mode, bool(l2norm), plan.state_layout == "k_last", plan.T,
-                plan.N, cache, cache_idx, parent)
+                plan.N, cache, cache_idx, parent, output_state_indices)
         if torch.compiler.is_compiling():
             torch.ops.gdn.recurrent_fwd(*args)
         else:  # eager: skip the dispatcher's overhead on the decode hot path
@@ -253,27 +272,32 @@ def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None
     else:
         with torch.no_grad():
             _recurrent_torch(q, k, v, o, plan, g, beta, A_log, a, dt_bias, b, state_in, final, ssm_state_indices,
-                             num_accepted_tokens, cu_seqlens, l2norm, cache, cache_idx, parent)
+                             num_accepted_tokens, cu_seqlens, l2norm, cache, cache_idx, parent, output_state_indices)
     return o, final
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g=None, beta=None, scale=None, initial_state=None,
                                      output_final_state=False, cu_seqlens=None, use_qk_l2norm_in_kernel=False, *,
                                      state_layout="v_last", ssm_state_indices=None, num_accepted_tokens=None,
-                                     inplace_final_state=False, A_log=None, a=None, dt_bias=None, b=None):
+                                     inplace_final_state=False, A_log=None, a=None, dt_bias=None, b=None,
+                                     output_state_indices=None):
     """Token-by-token gated delta rule (decode, short multi-token steps, speculative verification).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g/beta ``[B, T, HV]`` (or raw A_log ``[HV]``, a ``[B, T, HV]``,
     dt_bias ``[HV]``, b ``[B, T, HV]``). Pools: ``initial_state`` ``[P, HV, ...]`` with ``ssm_state_indices`` ``[N]``
     or ``[N, T_max]``; ``num_accepted_tokens`` ``[N]`` picks the start slot ``idx[n, num_accepted[n] - 1]``;
-    ``inplace_final_state`` writes the final state (1-D indices) or every token's state (2-D) into the pool.
+    ``inplace_final_state`` writes the final state (1-D indices) or every token's state (2-D) into the pool: to the
+    rows read, or with ``output_state_indices`` (the shape of ``ssm_state_indices``; -1 = not written) to
+    ``output_state_indices[n]`` / ``[n, t]`` (the read rows then stay untouched; two sequences writing one row, or one
+    writing a row another reads, is a ValueError).
     Returns ``(o [B, T, HV, V] in v's dtype, final_state)``: the pool when written in place, a new float32
     ``[N, HV, ...]`` tensor with ``output_final_state``, else None. Not differentiable (use the chunked op to train).
     """
     plan = plan_recurrent(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, state_layout,
-                          ssm_state_indices, num_accepted_tokens, inplace_final_state, A_log, a, dt_bias, b)
+                          ssm_state_indices, num_accepted_tokens, inplace_final_state, A_log, a, dt_bias, b,
+                          output_state_indices=output_state_indices)
     o, final = run_recurrent(q, k, v, plan, g=g, beta=beta, A_log=A_log, a=a, dt_bias=dt_bias, b=b,
                              initial_state=initial_state, ssm_state_indices=ssm_state_indices,
                              num_accepted_tokens=num_accepted_tokens, cu_seqlens=cu_seqlens,
-                             l2norm=use_qk_l2norm_in_kernel)
+                             l2norm=use_qk_l2norm_in_kernel, output_state_indices=output_state_indices)
     return o, final

@@ -31,10 +31,12 @@ from .state import chunk_state_pass
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
                                cu_seqlens=None, chunk_size=CHUNK_SIZE, use_qk_l2norm_in_kernel=False, *,
                                state_layout="v_last", state_indices=None, final_state=None,
-                               segment_chunks=None, h_dtype=None, store_ainv=False, cu_seqlens_cpu=None):
+                               segment_chunks=None, h_dtype=None, store_ainv=False, cu_seqlens_cpu=None,
+                               final_indices=None, checkpoint_indices=None, checkpoint_every=0):
     """The whole forward. Returns ``(o [B, T, HV, V] in v's dtype, final state or None, aux dict)``.
 
-    ``initial_state``/``final_state``/``state_indices`` as in :func:`chunk_state_pass`; aux holds the intermediates
+    ``initial_state``/``final_state``/``state_indices``/``final_indices``/``checkpoint_indices``/``checkpoint_every``
+    as in :func:`chunk_state_pass`; aux holds the intermediates
     (g_cum, Ainv when ``store_ainv`` (tensor-core dtype, fp32 with the tuning field ``chunk_fwd.ainv_dtype`` = "fp32"), h, v_new,
     chunk_index, rq / rk (the L2 row scalings, fp32 [B, T, H], None without the L2 norm)).
     ``cu_seqlens_cpu``: host copy of cu_seqlens (nothing read back from the device; :func:`prepare_chunk_indices`)."""
@@ -58,7 +60,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                     beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,
                                     h_dtype=h_dtype, state_layout=state_layout, final_state=final_state,
                                     state_indices=state_indices, segment_chunks=segment_chunks, chunk_index=ci,
-                                    rk=rk)
+                                    rk=rk, final_indices=final_indices, checkpoint_indices=checkpoint_indices,
+                                    checkpoint_every=checkpoint_every)
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     o = chunk_output(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                      out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rq=rq, rk=rk)

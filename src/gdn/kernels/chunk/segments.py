@@ -82,10 +82,11 @@ def _chunk_merge_kernel(
         tl.debug_barrier()
 
 
-def merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy):
+def merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy, ht_idx=None):
     """Step 2: the start state of every segment, fp32 [S, HV, K, V] (and the final state into ``ht`` when given).
     trans [S, HV, K, K], hloc [S, HV, K, V] fp32; initial_state / ht with their (row, head, K, V) strides s0 / s1
-    (pool rows through ``idx`` when given)."""
+    (pool rows through ``idx`` when given; the final state through ``ht_idx``, default ``idx``)."""
+    ht_idx = idx if ht_idx is None else ht_idx
     S, HV, K, V = hloc.shape
     cfg = tuning.chunk_fwd(hloc.device)
     hs = torch.empty(S, HV, K, V, device=hloc.device, dtype=torch.float32)
@@ -97,10 +98,10 @@ def merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, 
     BVM = min(int(cfg.merge_BV), _pow2(V))
     _launch(_chunk_merge_kernel, (triton.cdiv(V, BVM), HV, ci.N),
         initial_state if initial_state is not None else dummy, ht if ht is not None else dummy,
-        idx if idx is not None else ci.chunk_offsets, idx if idx is not None else ci.chunk_offsets,
+        idx if idx is not None else ci.chunk_offsets, ht_idx if ht_idx is not None else ci.chunk_offsets,
         trans, hloc, hs, plan.seg_offsets, P, P1, *s0, *s1, HV=HV, K=K, V=V, BK=BKM, BV=BVM,
         HAS_H0=initial_state is not None, H0_INDEXED=idx is not None, STORE_FINAL=ht is not None,
-        HT_INDEXED=idx is not None, PREC=cfg.merge_precision, num_warps=int(cfg.merge_warps))
+        HT_INDEXED=ht_idx is not None, PREC=cfg.merge_precision, num_warps=int(cfg.merge_warps))
     return hs
 
 

@@ -41,7 +41,19 @@ def _dot_h(a, h, h_dt, DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constex
     return r
 
 
-@triton.jit(do_not_specialize=["T", "P0", "P1"])
+@triton.jit
+def _store_checkpoint(h, c, CK_E, ck_pool, ck_idx, n, P2, CK_C, s_ckn, s2n, s2h, s2k, s2v, i_hv, ok, ov, m_kv):
+    """Store h (the state after ``c`` chunks of sequence n) to pool row ``ck_idx[n, c / CK_E - 1]`` when c is a
+    positive multiple of CK_E and that column exists (row -1 / out of [0, P2): skipped)."""
+    col = c // CK_E - 1
+    hit = (c % CK_E == 0) & (col >= 0) & (col < CK_C)
+    row = tl.load(ck_idx + n.to(tl.int64) * s_ckn + tl.minimum(tl.maximum(col, 0), CK_C - 1), mask=hit,
+                  other=-1).to(tl.int64)
+    p = ck_pool + row * s2n + i_hv * s2h + ok[:, None] * s2k + ov[None, :] * s2v
+    tl.store(p, _rn(h, ck_pool.dtype.element_ty), mask=m_kv & hit & (row >= 0) & (row < P2))
+
+
+@triton.jit(do_not_specialize=["T", "P0", "P1", "P2", "CK_E", "CK_C"])
 def _chunk_state_kernel(
     k, v, beta, ainv, w, u, gcum, rk_in, h_out, vnew, h0, ht, h0_idx, ht_idx, segments, chunk_offsets, cu_seqlens,
     T, P0, P1, NV,
@@ -53,6 +65,7 @@ def _chunk_state_kernel(
     HAS_U: tl.constexpr, STORE_H: tl.constexpr, STORE_VNEW: tl.constexpr,
     STORE_FINAL: tl.constexpr, HT_BY_SEG: tl.constexpr, HT_INDEXED: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, SPLIT_H: tl.constexpr,
+    ck_pool=None, ck_idx=None, P2=0, CK_E=1, CK_C=0, s_ckn=0, s2n=0, s2h=0, s2k=0, s2v=0, CKPT: tl.constexpr = False,
 ):
     """The sequential pass of one (V tile, value head, segment) over the segment's chunks; h [K, BV] fp32 in registers.
 
@@ -75,6 +88,12 @@ def _chunk_state_kernel(
     row = segment), programs i_v >= NV the transition matrix from the identity without v (final -> h0, row =
     segment, with h0's strides). States h0 / ht: any strides (s0* / s1*: row, head, K, V), so v_last [.., K, V] and
     k_last [.., V, K] are both read and written in place; STORE_FINAL writes the state after the last chunk.
+
+    CKPT (prefix-cache checkpoints; not with INIT 3): the state after every ``CK_E`` chunks of the sequence (after
+    token ``(c + 1) * CK_E * 64``, counted from the sequence's start) goes to row ``ck_idx[n, c]`` (``[N, CK_C]``
+    int, row pitch ``s_ckn``; -1 / out of [0, P2) = skipped) of ``ck_pool`` (strides s2*, any layout, its dtype):
+    written at the top of the chunk that starts there (h is then that state), or after the loop when the sequence
+    ends exactly there. A segment's pass (from the true start state) writes the checkpoints inside its chunks.
     """
     i_v = tl.program_id(0)
     i_hv = tl.program_id(1)
@@ -128,6 +147,8 @@ def _chunk_state_kernel(
             b_beta = beta_next.to(tl.float32)
             rows_n = rows + 64
             beta_next = tl.load(b_base + rows_n * s_bt, mask=(rows_n < eos) & (c + 1 < c_end), other=0.0)
+        if CKPT:  # h is the state after c * 64 tokens: checkpoint c / CK_E - 1 when c is a multiple of CK_E
+            _store_checkpoint(h, c, CK_E, ck_pool, ck_idx, n, P2, CK_C, s_ckn, s2n, s2h, s2k, s2v, i_hv, ok, ov, m_kv)
         if STORE_H:
             hp = h_out + ((choff + c) * HV + i_hv) * (K * V) + ok[:, None] * V + ov[None, :]
             tl.store(hp, _rn(h, h_out.dtype.element_ty), mask=m_kv)
@@ -159,6 +180,10 @@ def _chunk_state_kernel(
         dec = tl.where(m, tl.exp(g_last - b_g), 0.0) * rk
         h = h * tl.exp(g_last) + _dot(tl.trans(b_k), _rn(b_v * dec[:, None], DT), PREC)
 
+    if CKPT:  # a sequence that ends on a checkpoint (only the segment that reaches the end writes it)
+        if c_end.to(tl.int64) * 64 >= eos - bos:
+            _store_checkpoint(h, c_end.to(tl.int64), CK_E, ck_pool, ck_idx, n, P2, CK_C, s_ckn, s2n, s2h, s2k, s2v,
+                              i_hv, ok, ov, m_kv & ((eos - bos) % 64 == 0))
     if INIT == 3:
         rs = i_s.to(tl.int64)
         tl.store(ht + rs * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v, _rn(h, ht.dtype.element_ty),
@@ -169,6 +194,15 @@ def _chunk_state_kernel(
         row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
         p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
         tl.store(p1, _rn(h, ht.dtype.element_ty), mask=m_kv & ok1)
+
+
+def _written_rows(rows: torch.Tensor, read_idx: Optional[torch.Tensor], P_read: int) -> torch.Tensor:
+    """Write rows with those of padding sequences (read index out of [0, P_read)) set to -1: a padding sequence
+    writes nothing (one small elementwise op, no host sync). ``rows`` [N] or [N, C]."""
+    if read_idx is None:
+        return rows
+    ok = (read_idx >= 0) & (read_idx < P_read)
+    return torch.where(ok.view(-1, *([1] * (rows.dim() - 1))), rows, -1).contiguous()
 
 
 def _state_strides(x: Optional[torch.Tensor], layout: str):
@@ -189,7 +223,9 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                      final_state: Optional[torch.Tensor] = None, state_indices: Optional[torch.Tensor] = None,
                      segment_chunks: Optional[int] = None, chunk_index: Optional[ChunkIndex] = None,
                      dot_dtype: Optional[torch.dtype] = None, split_h: Optional[bool] = None,
-                     rk: Optional[torch.Tensor] = None):
+                     rk: Optional[torch.Tensor] = None, final_indices: Optional[torch.Tensor] = None,
+                     checkpoint_indices: Optional[torch.Tensor] = None, checkpoint_every: int = 0,
+                     checkpoint_pool: Optional[torch.Tensor] = None):
     """The sequential inter-chunk pass.
 
     k [B, T, H, K] (raw; L2-normalised in-kernel when asked), g_cum [B, T, HV] fp32, and either
@@ -201,6 +237,12 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     Returns ``(h [NT, HV, K, V] h_dtype (start state of every chunk, v_last), v_new [B, T, HV, V], final)`` where
     final is None unless ``output_final_state`` or ``final_state`` is given: fp32 [N, HV, ...] in ``state_layout``,
     or written into ``final_state`` (e.g. the pool itself, rows ``state_indices[n]``, its dtype).
+    ``final_indices`` ([N] int, with ``state_indices``): the final state goes to rows ``final_indices[n]`` of
+    ``final_state`` instead (separate write rows; -1 = not written; a padding sequence writes nothing).
+    ``checkpoint_indices`` ([N, C] int) with ``checkpoint_every`` (a multiple of 64) and ``checkpoint_pool``
+    ([P, HV, ...] in ``state_layout``, default ``final_state``): the state of sequence n after its
+    ``(c + 1) * checkpoint_every``-th token -> pool row ``checkpoint_indices[n, c]`` (-1 / past the end: skipped;
+    padding sequences write nothing), in the same pass (the portable kernel: the Hopper pass says unsupported).
     v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
     ``segment_chunks``: None = heuristic / tuning table, -1 = never segment, n > 0 = segments of n chunks.
     ``split_h``: compute the h product of v_new as hi + lo half-precision parts (default: ``chunk_fwd.state_split_h``).
@@ -233,8 +275,9 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     KP = _pow2(K)
     BV = _state_bv(K, V, dev)
     xs, mats = (v, ainv) if from_ainv else (u, w)
+    ckpt = checkpoint_indices is not None and checkpoint_indices.shape[1] > 0
     sm90 = (cfg.state_sm90 and xs is not None and not split_h
-            and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, False))
+            and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, False, checkpoints=ckpt))
 
     def sm90_tile(programs_per_column_tile: int) -> int:
         """V tile of the sm_90 pass for a grid of ``programs_per_column_tile`` x (V / tile) CTAs; 0 = portable."""
@@ -253,6 +296,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     plan = plan_segments(ci, seg, dev)
     dummy = g_cum
     idx = state_indices
+    out_idx = idx if final_indices is None else _written_rows(final_indices, idx, P_read=(
+        initial_state.shape[0] if initial_state is not None else 0))
     cu = _cu_arg(cu_seqlens, ci.chunk_offsets)
     if from_ainv:
         vv, bb, aa, ww, uu = v, beta, ainv.contiguous(), dummy, dummy
@@ -265,9 +310,18 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         rk = l2_rnorm(k)
     rk_arg = rk if l2 else dummy
 
-    def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, **flags):
+    ck_kw = {}
+    if ckpt:
+        ck_pool = final_state if checkpoint_pool is None else checkpoint_pool
+        ck_idx = _written_rows(checkpoint_indices, idx, initial_state.shape[0] if initial_state is not None else 0)
+        ck_kw = dict(ck_pool=ck_pool, ck_idx=ck_idx, P2=ck_pool.shape[0], CK_E=int(checkpoint_every) // chunk_size,
+                     CK_C=ck_idx.shape[1], s_ckn=ck_idx.stride(0), CKPT=True)
+        ck_kw.update(zip(("s2n", "s2h", "s2k", "s2v"), _state_strides(ck_pool, state_layout)))
+
+    def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, ck=None, **flags):
         bv9 = sm90_tile(S * HV) if (n_extra == 0 and Vd == V) else 0
-        if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], False, split_h):
+        if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], False, split_h,
+                                    checkpoints=bool(ck)):
             # Hopper: the Gluon form of this pass (TMA ring, asynchronous wgmma; hopper.py)
             hopper.launch_state_pass(
                 (triton.cdiv(V, bv9), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, h_out, vn_out, h0, ht_,
@@ -287,7 +341,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 FROM_AINV=from_ainv, DT=_TL[dt], PREC=cfg.fp32_dot_precision, SPLIT_H=split_h,
                 STORE_H=h_out is not None, STORE_VNEW=vn_out is not None, STORE_FINAL=ht_ is not None,
                 num_warps=int(cfg.state_warps), num_stages=int(cfg.state_stages), maxnreg=cfg.state_maxnreg,
-                **flags)
+                **(ck or {}), **flags)
 
     s0 = _state_strides(initial_state, state_layout)
     s1 = _state_strides(ht, state_layout)
@@ -295,9 +349,9 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     P1 = ht.shape[0] if ht is not None else 0
     has_u = from_ainv or u is not None
     if not plan.segmented:
-        launch(V, BV, plan.S, h, v_new, initial_state, ht, idx, idx, P, P1, s0, s1,
+        launch(V, BV, plan.S, h, v_new, initial_state, ht, idx, out_idx, P, P1, s0, s1,
                INIT=1 if initial_state is not None else 0, H0_BY_SEG=False, H0_INDEXED=idx is not None, HAS_U=has_u,
-               HT_BY_SEG=False, HT_INDEXED=idx is not None)
+               HT_BY_SEG=False, HT_INDEXED=idx is not None, ck=ck_kw)
         return h, v_new, ht
     # ---- segmented: local states from zero, transition matrices, merge, then the pass from the true starts
     S = plan.S
@@ -308,9 +362,9 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, _state_strides(trans, "v_last"), vl,
            n_extra=triton.cdiv(K, BV), INIT=3, H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True,
            HT_INDEXED=False)
-    hs = merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy)
+    hs = merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy, out_idx)
     launch(V, BV, S, h, v_new, hs, None, None, None, S, 0, vl, (0, 0, 0, 0), INIT=1,
-           H0_BY_SEG=True, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=False, HT_INDEXED=False)
+           H0_BY_SEG=True, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=False, HT_INDEXED=False, ck=ck_kw)
     return h, v_new, ht
 
 
