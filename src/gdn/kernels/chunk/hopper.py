@@ -42,6 +42,47 @@ if G.AVAILABLE:
     fence_async_shared, warpgroup_mma, warpgroup_mma_wait = G.fence_async_shared, G.warpgroup_mma, G.warpgroup_mma_wait
 
     @gluon.jit
+    def _state_row(idx, i_s, n, P, BY_SEG: gl.constexpr, INDEXED: gl.constexpr):
+        """(row, valid) of a state in a [rows, HV, ...] buffer: segment i_s (BY_SEG) or sequence n, mapped through the
+        pool index ``idx`` when INDEXED (negative or >= P: invalid, nothing read or written)."""
+        if BY_SEG:
+            row = i_s.to(gl.int64)
+        else:
+            row = n.to(gl.int64)
+        ok = row >= 0
+        if INDEXED:
+            row = gl.load(idx + row).to(gl.int64)
+            ok = (row >= 0) & (row < P)
+        return row, ok
+
+    @gluon.jit
+    def _issue_chunk_loads(k_desc, v_desc, a_desc, bar, k_buf, v_buf, a_buf, row, col_k, col_v, col_a, pred,
+                           nbytes: gl.constexpr):
+        """TMA copies of one chunk's k [64, K], v (or u) [64, BV] and Ainv [64, 64] (or w [64, K]) into one ring stage,
+        completing on ``bar``; nothing when ``pred`` is false (past the segment)."""
+        mbarrier.expect(bar, nbytes, pred=pred)
+        tma.async_copy_global_to_shared(k_desc, [row, col_k], bar, k_buf, pred=pred)
+        tma.async_copy_global_to_shared(v_desc, [row, col_v], bar, v_buf, pred=pred)
+        tma.async_copy_global_to_shared(a_desc, [row, col_a], bar, a_buf, pred=pred)
+
+    @gluon.jit
+    def _chunk_gates(gcum, beta, rk_in, row0, to, eos, tok0, i_b, i_h, i_hv, has_chunk, s_bb, s_bt, s_bh,
+                     H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr):
+        """Per-row inputs of the chunk whose token rows are ``row0 + to`` (to = 0..63): g_cum, beta (fp32), r_k (1
+        without the L2 norm; 0 past the sequence) and g_cum of its last valid row (0 when ``has_chunk`` is false)."""
+        rows = row0 + to
+        m = rows < eos
+        g = gl.load(gcum + (tok0 + rows) * HV + i_hv, mask=m, other=0.0)
+        b = gl.load(beta + i_b * s_bb + rows * s_bt + i_hv * s_bh, mask=m, other=0.0).to(gl.float32)
+        if USE_L2:
+            rk = gl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
+        else:
+            rk = gl.where(m, 1.0, 0.0)
+        last = gl.minimum(row0 + 64, eos) - 1
+        g_last = gl.load(gcum + (tok0 + last) * HV + i_hv, mask=has_chunk, other=0.0)
+        return g, b, rk, g_last
+
+    @gluon.jit
     def _state_pass_sm90_kernel(
         k_desc, v_desc, a_desc, h_desc,
         beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx, segments, cu_seqlens, chunk_offsets,
@@ -97,14 +138,7 @@ if G.AVAILABLE:
 
         # ---- initial state (fp32 registers, the wgmma accumulator layout)
         if INIT == 1:
-            if H0_BY_SEG:
-                row0 = i_s.to(gl.int64)
-            else:
-                row0 = n.to(gl.int64)
-            ok0 = row0 >= 0
-            if H0_INDEXED:
-                row0 = gl.load(h0_idx + row0).to(gl.int64)
-                ok0 = (row0 >= 0) & (row0 < P0)
+            row0, ok0 = _state_row(h0_idx, i_s, n, P0, H0_BY_SEG, H0_INDEXED)
             p0 = h0 + row0 * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v
             h = gl.load(p0, mask=m_kv & ok0, other=0.0).to(gl.float32)
         else:
@@ -116,26 +150,11 @@ if G.AVAILABLE:
         col_a = i_hv * AC
         # ---- prologue: chunks c_beg .. c_beg + NS - 2 into the ring
         for j in gl.static_range(NS - 1):
-            cj = c_beg + j
-            pj = cj < c_end
-            rj = tok0 + bos + cj * C
-            mbarrier.expect(bars.index(j), nbytes, pred=pj)
-            tma.async_copy_global_to_shared(k_desc, [rj, col_k], bars.index(j), k_s.index(j), pred=pj)
-            tma.async_copy_global_to_shared(v_desc, [rj, col_v], bars.index(j), v_s.index(j), pred=pj)
-            tma.async_copy_global_to_shared(a_desc, [rj, col_a], bars.index(j), a_s.index(j), pred=pj)
-
+            _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(j), k_s.index(j), v_s.index(j), a_s.index(j),
+                               tok0 + bos + (c_beg + j) * C, col_k, col_v, col_a, c_beg + j < c_end, nbytes)
         # per-row gates of the first chunk
-        rows = bos + c_beg * C + to
-        m_n = rows < eos
-        trow = (tok0 + rows) * HV + i_hv
-        g_n = gl.load(gcum + trow, mask=m_n, other=0.0)
-        b_n = gl.load(beta + i_b * s_bb + rows * s_bt + i_hv * s_bh, mask=m_n, other=0.0).to(gl.float32)
-        if USE_L2:
-            rk_n = gl.load(rk_in + (tok0 + rows) * H + i_h, mask=m_n, other=0.0)
-        else:
-            rk_n = gl.where(m_n, 1.0, 0.0)
-        last = gl.minimum(bos + c_beg * C + C, eos) - 1
-        gl_n = gl.load(gcum + (tok0 + last) * HV + i_hv, mask=c_beg < c_end, other=0.0)
+        g_n, b_n, rk_n, gl_n = _chunk_gates(gcum, beta, rk_in, bos + c_beg * C, to, eos, tok0, i_b, i_h, i_hv,
+                                            c_beg < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
 
         zero = gl.zeros([C, BV], gl.float32, layout=mma)
         for c in range(c_beg, c_end):
@@ -143,14 +162,9 @@ if G.AVAILABLE:
             s = it % NS
             phase = (it // NS) & 1
             # ---- refill the stage consumed one step ago with chunk c + NS - 1
-            cf = c + NS - 1
             sf = (it + NS - 1) % NS
-            pf = cf < c_end
-            rf = tok0 + bos + cf * C
-            mbarrier.expect(bars.index(sf), nbytes, pred=pf)
-            tma.async_copy_global_to_shared(k_desc, [rf, col_k], bars.index(sf), k_s.index(sf), pred=pf)
-            tma.async_copy_global_to_shared(v_desc, [rf, col_v], bars.index(sf), v_s.index(sf), pred=pf)
-            tma.async_copy_global_to_shared(a_desc, [rf, col_a], bars.index(sf), a_s.index(sf), pred=pf)
+            _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(sf), k_s.index(sf), v_s.index(sf), a_s.index(sf),
+                               tok0 + bos + (c + NS - 1) * C, col_k, col_v, col_a, c + NS - 1 < c_end, nbytes)
             # ---- this chunk's gates (loaded one step ahead), then the next chunk's
             rows = bos + c * C + to
             m = rows < eos
@@ -158,17 +172,8 @@ if G.AVAILABLE:
             b_beta = b_n
             rk = rk_n
             g_last = gl_n
-            rows_n = rows + C
-            m_n = rows_n < eos
-            trow_n = (tok0 + rows_n) * HV + i_hv
-            g_n = gl.load(gcum + trow_n, mask=m_n, other=0.0)
-            b_n = gl.load(beta + i_b * s_bb + rows_n * s_bt + i_hv * s_bh, mask=m_n, other=0.0).to(gl.float32)
-            if USE_L2:
-                rk_n = gl.load(rk_in + (tok0 + rows_n) * H + i_h, mask=m_n, other=0.0)
-            else:
-                rk_n = gl.where(m_n, 1.0, 0.0)
-            last_n = gl.minimum(bos + c * C + 2 * C, eos) - 1
-            gl_n = gl.load(gcum + (tok0 + last_n) * HV + i_hv, mask=c + 1 < c_end, other=0.0)
+            g_n, b_n, rk_n, gl_n = _chunk_gates(gcum, beta, rk_in, bos + (c + 1) * C, to, eos, tok0, i_b, i_h, i_hv, c + 1 < c_end,
+                                                s_bb, s_bt, s_bh, H, HV, USE_L2)
 
             # ---- 1. the chunk's start state: bf16 copy in shared memory (operand of k @ h, and h_out[c])
             if STORE_H:
@@ -215,14 +220,7 @@ if G.AVAILABLE:
         for j in gl.static_range(NS):
             mbarrier.invalidate(bars.index(j))
         if STORE_FINAL:
-            if HT_BY_SEG:
-                row1 = i_s.to(gl.int64)
-            else:
-                row1 = n.to(gl.int64)
-            ok1 = row1 >= 0
-            if HT_INDEXED:
-                row1 = gl.load(ht_idx + row1).to(gl.int64)
-                ok1 = (row1 >= 0) & (row1 < P1)
+            row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
             p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
             gl.store(p1, h.to(ht.dtype.element_ty), mask=m_kv & ok1)
 
