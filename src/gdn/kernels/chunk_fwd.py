@@ -544,7 +544,7 @@ def _chunk_prepare_kernel(
         if STORE_A:
             tl.store(a_ptr, _rn(b_ai, ainv.dtype.element_ty), mask=m[:, None])
     if STORE_RK:
-        tl.store(rk_out + (tok0 + rows) * H + i_h, rk, mask=m & (i_hv % (HV // H) == 0))
+        tl.store(rk_out + (tok0 + rows) * H + i_h, rk, mask=tl.where(i_hv % (HV // H) == 0, m, False))
 
     if STORE_W or STORE_U:
         b_j = _rn(b_ai, DT)
@@ -634,7 +634,7 @@ def _chunk_state_kernel(
     if INIT == 1:
         row, ok0 = _state_row(h0_idx, i_s, n, P0, H0_BY_SEG, H0_INDEXED)
         p0 = h0 + row * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v
-        h = tl.load(p0, mask=m_kv & ok0, other=0.0).to(tl.float32)
+        h = tl.load(p0, mask=tl.where(ok0, m_kv, False), other=0.0).to(tl.float32)
     elif INIT == 2:
         h = tl.where((ok[:, None] == ov[None, :]) & m_kv, 1.0, 0.0)
     elif INIT == 3:
@@ -664,7 +664,7 @@ def _chunk_state_kernel(
         if FROM_AINV:
             b_beta = beta_next.to(tl.float32)
             rows_n = rows + 64
-            beta_next = tl.load(b_base + rows_n * s_bt, mask=(rows_n < eos) & (c + 1 < c_end), other=0.0)
+            beta_next = tl.load(b_base + rows_n * s_bt, mask=tl.where(c + 1 < c_end, rows_n < eos, False), other=0.0)
         if STORE_H:
             hp = h_out + ((choff + c) * HV + i_hv) * (K * V) + ok[:, None] * V + ov[None, :]
             tl.store(hp, _rn(h, h_out.dtype.element_ty), mask=m_kv)
@@ -680,7 +680,7 @@ def _chunk_state_kernel(
         if FROM_AINV:
             b_r = -_dot_h(b_k, h, h_dt, DT, PREC, SPLIT_H) * (tl.exp(b_g) * rk)[:, None]
             if HAS_U:
-                b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
+                b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :], mask=tl.where(not_t, m[:, None] & mv[None, :], False),
                                other=0.0).to(tl.float32)
             b_a = _rn(tl.load(ainv + trow[:, None] * 64 + to[None, :], mask=m[:, None], other=0.0), DT)
             b_v = _dot(b_a, _rn(b_r * b_beta[:, None], DT), PREC)
@@ -688,7 +688,7 @@ def _chunk_state_kernel(
             b_w = _rn(tl.load(w + trow[:, None] * K + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
             b_v = -_dot_h(b_w, h, h_dt, DT, PREC, SPLIT_H)
             if HAS_U:
-                b_v += tl.load(u + trow[:, None] * V + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
+                b_v += tl.load(u + trow[:, None] * V + ov[None, :], mask=tl.where(not_t, m[:, None] & mv[None, :], False),
                                other=0.0).to(tl.float32)
         if STORE_VNEW:
             tl.store(vnew + trow[:, None] * V + ov[None, :], _rn(b_v, vnew.dtype.element_ty),
@@ -717,13 +717,13 @@ def _chunk_state_kernel(
     if INIT == 3:
         rs = i_s.to(tl.int64)
         tl.store(ht + rs * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v, _rn(h, ht.dtype.element_ty),
-                 mask=m_kv & not_t)
+                 mask=tl.where(not_t, m_kv, False))
         tl.store(h0 + rs * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v, _rn(h, h0.dtype.element_ty),
-                 mask=m_kv & is_t)
+                 mask=tl.where(is_t, m_kv, False))
     elif STORE_FINAL:
         row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
         p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
-        tl.store(p1, _rn(h, ht.dtype.element_ty), mask=m_kv & ok1)
+        tl.store(p1, _rn(h, ht.dtype.element_ty), mask=tl.where(ok1, m_kv, False))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -753,7 +753,7 @@ def _chunk_merge_kernel(
         okk = i_k * BK + ob
         m = (okk < K)[:, None] & mv[None, :]
         if HAS_H0:
-            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v, mask=m & ok0,
+            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v, mask=tl.where(ok0, m, False),
                         other=0.0).to(tl.float32)
         else:
             x = tl.zeros([BK, BV], tl.float32)
@@ -774,10 +774,10 @@ def _chunk_merge_kernel(
                              mask=mj[:, None] & mv[None, :], other=0.0, cache_modifier=".cg")
                 acc = tl.dot(pm, xs, acc, input_precision=PREC)
             tl.store(hs + (((s64 + 1) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], acc,
-                     mask=m & (s64 + 1 < s1))
+                     mask=tl.where(s64 + 1 < s1, m, False))
             if STORE_FINAL:
                 tl.store(ht + row1 * s1n + i_hv * s1h + okk[:, None] * s1k + ov[None, :] * s1v,
-                         _rn(acc, ht.dtype.element_ty), mask=m & ok1 & (s64 + 1 == s1))
+                         _rn(acc, ht.dtype.element_ty), mask=tl.where(ok1 & (s64 + 1 == s1), m, False))
         tl.debug_barrier()
 
 
