@@ -680,16 +680,16 @@ def _chunk_state_kernel(
         if FROM_AINV:
             b_r = -_dot_h(b_k, h, h_dt, DT, PREC, SPLIT_H) * (tl.exp(b_g) * rk)[:, None]
             if HAS_U:
-                b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :], mask=tl.where(not_t, m[:, None] & mv[None, :], False),
-                               other=0.0).to(tl.float32)
+                b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :],
+                               mask=tl.where(not_t, m[:, None] & mv[None, :], False), other=0.0).to(tl.float32)
             b_a = _rn(tl.load(ainv + trow[:, None] * 64 + to[None, :], mask=m[:, None], other=0.0), DT)
             b_v = _dot(b_a, _rn(b_r * b_beta[:, None], DT), PREC)
         else:
             b_w = _rn(tl.load(w + trow[:, None] * K + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
             b_v = -_dot_h(b_w, h, h_dt, DT, PREC, SPLIT_H)
             if HAS_U:
-                b_v += tl.load(u + trow[:, None] * V + ov[None, :], mask=tl.where(not_t, m[:, None] & mv[None, :], False),
-                               other=0.0).to(tl.float32)
+                b_v += tl.load(u + trow[:, None] * V + ov[None, :],
+                               mask=tl.where(not_t, m[:, None] & mv[None, :], False), other=0.0).to(tl.float32)
         if STORE_VNEW:
             tl.store(vnew + trow[:, None] * V + ov[None, :], _rn(b_v, vnew.dtype.element_ty),
                      mask=m[:, None] & mv[None, :])
@@ -753,8 +753,8 @@ def _chunk_merge_kernel(
         okk = i_k * BK + ob
         m = (okk < K)[:, None] & mv[None, :]
         if HAS_H0:
-            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v, mask=tl.where(ok0, m, False),
-                        other=0.0).to(tl.float32)
+            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v,
+                        mask=tl.where(ok0, m, False), other=0.0).to(tl.float32)
         else:
             x = tl.zeros([BK, BV], tl.float32)
         tl.store(hs + ((s0.to(tl.int64) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x, mask=m)

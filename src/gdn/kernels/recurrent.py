@@ -196,7 +196,8 @@ def _decode_load(p_in, v, i_n, i_hv, v0, valid, s_vb, s_vh, K: tl.constexpr, V: 
     if READ_MODE == 0:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
     else:
-        b_s = tl.load(p_in + _state_offsets(o_k, o_v, K, V, K_LAST), mask=tl.where(valid, m_s, False), other=0.0).to(tl.float32)
+        b_s = tl.load(p_in + _state_offsets(o_k, o_v, K, V, K_LAST), mask=tl.where(valid, m_s, False),
+                      other=0.0).to(tl.float32)
     b_v = tl.load(v + i_n * s_vb + i_hv * s_vh + o_v, mask=o_v < V, other=0.0).to(tl.float32)
     return b_s, b_v
 
