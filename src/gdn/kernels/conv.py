@@ -111,7 +111,7 @@ def _dact(p, g, ACT: tl.constexpr):
 @_device_fn
 def _ld_row(base, t, lo, hi, st, offs_d, md, CD: tl.constexpr):
     """Row ``t`` (masked to lo <= t < hi, else 0) of a [T, D] slab at ``base`` with token stride ``st``."""
-    m = md & (t >= lo) & (t < hi)
+    m = tl.where((t >= lo) & (t < hi), md, False)
     return tl.load(base + t.to(tl.int64) * st + offs_d, mask=m, other=0.0).to(CD)
 
 
@@ -124,7 +124,7 @@ def _ld_hist(x_b, t, s, e, sxt, st_row, ssd, ssw, offs_d, md, ACTIVE: tl.constex
         v = _ld_row(x_b, t, s, e, sxt, offs_d, md, CD)
         if HAS_STATE:
             col = t - s + (W - 1)
-            ms = md & (t < s) & (col >= 0)
+            ms = tl.where((t < s) & (col >= 0), md, False)
             v += tl.load(st_row + offs_d * ssd + col.to(tl.int64) * ssw, mask=ms, other=0.0).to(CD)
     else:
         v = tl.zeros([BD], dtype=CD)
@@ -212,9 +212,9 @@ def causal_conv1d_fwd_kernel(
         o3 = _act(_lin(r3, r2, r1, r0, k0, k1, k2, k3, bias, W), ACT)
         yt = y_b + u * syt + offs_d
         tl.store(yt, o0.to(y_ptr.dtype.element_ty), mask=md)
-        tl.store(yt + syt, o1.to(y_ptr.dtype.element_ty), mask=md & (u + 1 < c1))
-        tl.store(yt + 2 * syt, o2.to(y_ptr.dtype.element_ty), mask=md & (u + 2 < c1))
-        tl.store(yt + 3 * syt, o3.to(y_ptr.dtype.element_ty), mask=md & (u + 3 < c1))
+        tl.store(yt + syt, o1.to(y_ptr.dtype.element_ty), mask=tl.where(u + 1 < c1, md, False))
+        tl.store(yt + 2 * syt, o2.to(y_ptr.dtype.element_ty), mask=tl.where(u + 2 < c1, md, False))
+        tl.store(yt + 3 * syt, o3.to(y_ptr.dtype.element_ty), mask=tl.where(u + 3 < c1, md, False))
         p1 = r3
         p2 = r2
         p3 = r1
@@ -329,10 +329,10 @@ def causal_conv1d_bwd_kernel(
         e2 = _lin(d2, d3, q4, q5, k0, k1, k2, k3, zero, W)
         e3 = _lin(d3, q4, q5, q6, k0, k1, k2, k3, zero, W)
         dxt = dx_b + u * sdxt + offs_d
-        tl.store(dxt, e0.to(dx_ptr.dtype.element_ty), mask=md & (u >= c0))
-        tl.store(dxt + sdxt, e1.to(dx_ptr.dtype.element_ty), mask=md & (u + 1 >= c0))
-        tl.store(dxt + 2 * sdxt, e2.to(dx_ptr.dtype.element_ty), mask=md & (u + 2 >= c0))
-        tl.store(dxt + 3 * sdxt, e3.to(dx_ptr.dtype.element_ty), mask=md & (u + 3 >= c0))
+        tl.store(dxt, e0.to(dx_ptr.dtype.element_ty), mask=tl.where(u >= c0, md, False))
+        tl.store(dxt + sdxt, e1.to(dx_ptr.dtype.element_ty), mask=tl.where(u + 1 >= c0, md, False))
+        tl.store(dxt + 2 * sdxt, e2.to(dx_ptr.dtype.element_ty), mask=tl.where(u + 2 >= c0, md, False))
+        tl.store(dxt + 3 * sdxt, e3.to(dx_ptr.dtype.element_ty), mask=tl.where(u + 3 >= c0, md, False))
         # rows below c0 have dy = 0 (masked load), so they add nothing here
         dk0 += d0 * xd + d1 * x1 + d2 * x2 + d3 * x3
         if W >= 2:

@@ -219,7 +219,7 @@ def recurrent_gdn_fwd_kernel(
                 row_t, ok_t = _write_row(idx, out_idx, i_n.to(tl.int64), t, s_idx, s_oidx, n_cols, row_in, valid,
                                          P_out, WRITE_MODE, OUT_IDX)
                 tl.store(state_out + row_t * (HV * K * V) + head_off + o_s, b_s.to(state_out.dtype.element_ty),
-                         mask=m_s & ok_t)
+                         mask=tl.where(ok_t, m_s, False))
         if WRITE_MODE == 1:
             tl.store(state_out + i_n.to(tl.int64) * (HV * K * V) + head_off + o_s,
                      b_s.to(state_out.dtype.element_ty), mask=m_s)
@@ -227,7 +227,7 @@ def recurrent_gdn_fwd_kernel(
             row_w, ok_w = _write_row(idx, out_idx, i_n.to(tl.int64), 0, s_idx, s_oidx, n_cols, row_in, valid, P_out,
                                      WRITE_MODE, OUT_IDX)
             tl.store(state_out + row_w * (HV * K * V) + head_off + o_s, b_s.to(state_out.dtype.element_ty),
-                     mask=m_s & ok_w)
+                     mask=tl.where(ok_w, m_s, False))
     else:
         # padding sequence: zeros out, no state row read or written
         for t in range(0, seq_len):
@@ -244,7 +244,8 @@ def _decode_load(p_in, v, i_n, i_hv, v0, valid, s_vb, s_vh, K: tl.constexpr, V: 
     if READ_MODE == 0:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
     else:
-        b_s = tl.load(p_in + _state_offsets(o_k, o_v, K, V, K_LAST), mask=m_s & valid, other=0.0).to(tl.float32)
+        b_s = tl.load(p_in + _state_offsets(o_k, o_v, K, V, K_LAST), mask=tl.where(valid, m_s, False),
+                      other=0.0).to(tl.float32)
     b_v = tl.load(v + i_n * s_vb + i_hv * s_vh + o_v, mask=o_v < V, other=0.0).to(tl.float32)
     return b_s, b_v
 
@@ -261,7 +262,7 @@ def _decode_finish(b_s, b_v, p_out, o, b_q, b_k, b_g, b_beta, i_n, i_hv, v0, val
     tl.store(o + (i_n * HV + i_hv) * V + o_v, tl.where(valid, b_o, 0.0).to(o.dtype.element_ty), mask=m_v)
     if WRITE_MODE != 0:
         tl.store(p_out + _state_offsets(o_k, o_v, K, V, K_LAST), b_s.to(p_out.dtype.element_ty),
-                 mask=(o_k < K)[:, None] & m_v[None, :] & ok_out, cache_modifier=STORE_CACHE)
+                 mask=tl.where(ok_out, (o_k < K)[:, None] & m_v[None, :], False), cache_modifier=STORE_CACHE)
 
 
 @triton.jit

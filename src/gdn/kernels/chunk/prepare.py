@@ -143,7 +143,7 @@ def _chunk_prepare_kernel(
         if STORE_A:
             tl.store(a_ptr, _rn(b_ai, ainv.dtype.element_ty), mask=m[:, None])
     if STORE_RK:
-        tl.store(rk_out + (tok0 + rows) * H + i_h, rk, mask=m & (i_hv % (HV // H) == 0))
+        tl.store(rk_out + (tok0 + rows) * H + i_h, rk, mask=tl.where(i_hv % (HV // H) == 0, m, False))
 
     if STORE_W or STORE_U:
         b_j = _rn(b_ai, DT)

@@ -54,7 +54,7 @@ def _chunk_merge_kernel(
         okk = i_k * BK + ob
         m = (okk < K)[:, None] & mv[None, :]
         if HAS_H0:
-            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v, mask=m & ok0,
+            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v, mask=tl.where(ok0, m, False),
                         other=0.0).to(tl.float32)
         else:
             x = tl.zeros([BK, BV], tl.float32)
@@ -75,10 +75,10 @@ def _chunk_merge_kernel(
                              mask=mj[:, None] & mv[None, :], other=0.0, cache_modifier=".cg")
                 acc = tl.dot(pm, xs, acc, input_precision=PREC)
             tl.store(hs + (((s64 + 1) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], acc,
-                     mask=m & (s64 + 1 < s1))
+                     mask=tl.where(s64 + 1 < s1, m, False))
             if STORE_FINAL:
                 tl.store(ht + row1 * s1n + i_hv * s1h + okk[:, None] * s1k + ov[None, :] * s1v,
-                         _rn(acc, ht.dtype.element_ty), mask=m & ok1 & (s64 + 1 == s1))
+                         _rn(acc, ht.dtype.element_ty), mask=tl.where(ok1 & (s64 + 1 == s1), m, False))
         tl.debug_barrier()
 
 

@@ -120,7 +120,7 @@ def _chunk_state_kernel(
     if INIT == 1:
         row, ok0 = _state_row(h0_idx, i_s, n, P0, H0_BY_SEG, H0_INDEXED)
         p0 = h0 + row * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v
-        h = tl.load(p0, mask=m_kv & ok0, other=0.0).to(tl.float32)
+        h = tl.load(p0, mask=tl.where(ok0, m_kv, False), other=0.0).to(tl.float32)
     elif INIT == 2:
         h = tl.where((ok[:, None] == ov[None, :]) & m_kv, 1.0, 0.0)
     elif INIT == 3:
@@ -146,7 +146,8 @@ def _chunk_state_kernel(
         if FROM_AINV:
             b_beta = beta_next.to(tl.float32)
             rows_n = rows + 64
-            beta_next = tl.load(b_base + rows_n * s_bt, mask=(rows_n < eos) & (c + 1 < c_end), other=0.0)
+            beta_next = tl.load(b_base + rows_n * s_bt, mask=tl.where(c + 1 < c_end, rows_n < eos, False),
+                                other=0.0)
         if CKPT:  # h is the state after c * 64 tokens: checkpoint c / CK_E - 1 when c is a multiple of CK_E
             _store_checkpoint(h, c, CK_E, ck_pool, ck_idx, n, P2, CK_C, s_ckn, s2n, s2h, s2k, s2v, i_hv, ok, ov, m_kv)
         if STORE_H:
@@ -164,7 +165,7 @@ def _chunk_state_kernel(
         if FROM_AINV:
             b_r = -_dot_h(b_k, h, h_dt, DT, PREC, SPLIT_H) * (tl.exp(b_g) * rk)[:, None]
             if HAS_U:
-                b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
+                b_r += tl.load(v_base + rows[:, None] * s_vt + ov[None, :], mask=tl.where(not_t, m[:, None] & mv[None, :], False),
                                other=0.0).to(tl.float32)
             b_a = _rn(tl.load(ainv + trow[:, None] * 64 + to[None, :], mask=m[:, None], other=0.0), DT)
             b_v = _dot(b_a, _rn(b_r * b_beta[:, None], DT), PREC)
@@ -172,7 +173,7 @@ def _chunk_state_kernel(
             b_w = _rn(tl.load(w + trow[:, None] * K + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
             b_v = -_dot_h(b_w, h, h_dt, DT, PREC, SPLIT_H)
             if HAS_U:
-                b_v += tl.load(u + trow[:, None] * V + ov[None, :], mask=m[:, None] & mv[None, :] & not_t,
+                b_v += tl.load(u + trow[:, None] * V + ov[None, :], mask=tl.where(not_t, m[:, None] & mv[None, :], False),
                                other=0.0).to(tl.float32)
         if STORE_VNEW:
             tl.store(vnew + trow[:, None] * V + ov[None, :], _rn(b_v, vnew.dtype.element_ty),
@@ -187,13 +188,13 @@ def _chunk_state_kernel(
     if INIT == 3:
         rs = i_s.to(tl.int64)
         tl.store(ht + rs * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v, _rn(h, ht.dtype.element_ty),
-                 mask=m_kv & not_t)
+                 mask=tl.where(not_t, m_kv, False))
         tl.store(h0 + rs * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v, _rn(h, h0.dtype.element_ty),
-                 mask=m_kv & is_t)
+                 mask=tl.where(is_t, m_kv, False))
     elif STORE_FINAL:
         row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
         p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
-        tl.store(p1, _rn(h, ht.dtype.element_ty), mask=m_kv & ok1)
+        tl.store(p1, _rn(h, ht.dtype.element_ty), mask=tl.where(ok1, m_kv, False))
 
 
 def _written_rows(rows: torch.Tensor, read_idx: Optional[torch.Tensor], P_read: int) -> torch.Tensor:

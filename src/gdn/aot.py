@@ -1,0 +1,254 @@
+"""Compile every kernel configuration the ops launch for sm_90 (Hopper) with the installed Triton, without a GPU.
+
+    python -m gdn.aot            # prints one line per compiled configuration, exits 1 on any compile error
+
+The ops run on CPU tensors with Triton's real JIT (never the interpreter: this module re-runs itself without
+``TRITON_INTERPRET``) under a stand-in driver whose target is ``cuda:90``; each launch is turned into a compile-only
+warm-up (``JITFunction.run(..., warmup=True)``: the JIT's own specialisation of the arguments, the launcher's
+num_warps / num_stages / maxnreg; nothing runs, outputs stay unwritten). The launchers' GPU-only choices (conv and
+norm tiles, SM counts) see an H200 (:data:`_GPU_CHOICES`); segmented state passes are forced by their environment
+switches in a second scenario. Scenarios: :func:`_scenarios` (production head sizes K = V = 128 with GVA, both state
+layouts and dtypes, pools, varlen, the decode and recurrent configurations of every batch-size regime, fwd + bwd).
+Identical signatures compile once (the JIT's cache; ``TRITON_CACHE_DIR`` keeps them across runs).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import types
+
+_ENV_SCENARIOS = [{}, {"GDN_CHUNK_SEGMENT": "2", "GDN_BWD_SEGMENT": "8"}]
+_FAKE_SMS = 132
+# (module, function) of the launchers' device-dependent choices: called with a CUDA-like device here
+_GPU_CHOICES = [("gdn.kernels.conv", "_block_d"), ("gdn.kernels.conv", "_block_t"), ("gdn.kernels.conv", "_num_sms"),
+                ("gdn.kernels.norm", "_cfg")]
+
+
+class _Sm90Driver:
+    """The parts of Triton's driver the JIT asks for before compiling: device, stream, target."""
+
+    def __init__(self):
+        from triton.backends.compiler import GPUTarget
+
+        self.target = GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return self.target
+
+    def __getattr__(self, name):
+        raise AttributeError(f"gdn.aot: the stand-in sm_90 driver has no {name!r}")
+
+
+def _install(records: list):
+    import torch
+    import triton
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction
+
+    driver.set_active(_Sm90Driver())
+    orig_run = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        t0 = time.perf_counter()
+        key = (self.fn.__module__, self.fn.__name__, kwargs.get("num_warps"), kwargs.get("num_stages"))
+        try:
+            kernel = orig_run(self, *args, grid=grid, warmup=True, **kwargs)
+        except Exception as e:  # a compile error: record it, let the op go on (later launches still compile)
+            records.append((key, None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"))
+            return None
+        records.append((key, kernel, time.perf_counter() - t0))
+        return kernel
+
+    JITFunction.run = run
+    fake = types.SimpleNamespace(type="cuda", index=0)
+    torch.cuda.get_device_properties = lambda *a, **k: types.SimpleNamespace(multi_processor_count=_FAKE_SMS)
+    torch.cuda.current_device = lambda: 0
+    import importlib
+    import pkgutil
+
+    import gdn.backend
+    import gdn.ops
+
+    # the ops take the Triton path for these CPU tensors (as for CUDA ones)
+    gdn.backend.use_triton = lambda device: True
+    for info in pkgutil.iter_modules(gdn.ops.__path__, "gdn.ops."):
+        m = importlib.import_module(info.name)
+        if hasattr(m, "use_triton"):
+            m.use_triton = gdn.backend.use_triton
+    for mod, name in _GPU_CHOICES:
+        m = importlib.import_module(mod)
+        fn = getattr(m, name)  # AttributeError: a launcher was renamed, update _GPU_CHOICES
+        if getattr(fn, "__wrapped_gpu__", False):
+            continue
+
+        def gpu(*a, _fn=fn, **k):
+            a = tuple(fake if isinstance(x, torch.device) else x for x in a)
+            k = {n: fake if isinstance(x, torch.device) else x for n, x in k.items()}
+            return _fn(*a, **k)
+
+        gpu.__wrapped_gpu__ = True
+        setattr(m, name, gpu)
+    return triton
+
+
+def _scenarios():
+    """Op calls covering the launchers' choices (names for the log, callables)."""
+    import torch
+
+    import gdn.ops as ops
+    from gdn.ops.norm import gated_rms_norm
+
+    H, HV, K, V = 2, 4, 128, 128
+
+    def rnd(*s, dtype=torch.bfloat16, grad=False):
+        return torch.randn(*s, dtype=dtype).requires_grad_(grad)
+
+    def gates(*s):
+        return -torch.rand(*s), torch.rand(*s)
+
+    def chunk(dtype, layout, varlen, pool, l2, train):
+        T = 130
+        B = 1 if varlen else 2
+        q, k = rnd(B, T, H, K, dtype=dtype, grad=train), rnd(B, T, H, K, dtype=dtype, grad=train)
+        v = rnd(B, T, HV, V, dtype=dtype, grad=train)
+        g, beta = gates(B, T, HV)
+        g, beta = g.to(dtype).requires_grad_(train), beta.to(dtype).requires_grad_(train)
+        cu = torch.tensor([0, 1, 64, 130]) if varlen else None
+        N = 3 if varlen else B
+        shape = (HV, K, V) if layout == "v_last" else (HV, V, K)
+        kw = dict(state_layout=layout, cu_seqlens=cu, use_qk_l2norm_in_kernel=l2, output_final_state=not pool)
+        if pool:
+            kw.update(initial_state=torch.randn(N + 2, *shape), ssm_state_indices=torch.tensor([2, -1, 0][:N]))
+        else:
+            kw.update(initial_state=torch.randn(N, *shape).requires_grad_(train))
+        o, st = ops.chunk_gated_delta_rule(q, k, v, g, beta, **kw)
+        if train:
+            (o.float().sum() + (st.sum() if st is not None else 0)).backward()
+
+    def decode(B, state_dtype, layout, spec=False):
+        q, k, v = rnd(B, 1, H * 8, K), rnd(B, 1, H * 8, K), rnd(B, 1, HV * 8, V)
+        shape = (HV * 8, V, K) if layout == "k_last" else (HV * 8, K, V)
+        pool = torch.randn(B + 1, *shape).to(state_dtype)
+        A_log, dt_bias = torch.rand(HV * 8), torch.rand(HV * 8)
+        a, b = rnd(B, 1, HV * 8), rnd(B, 1, HV * 8)
+        idx = torch.arange(B) - int(B > 1)
+        ops.gated_delta_rule_decode(q, k, v, pool, A_log, a, dt_bias, b, use_qk_l2norm=True, state_indices=idx,
+                                    state_layout=layout)
+
+    def recurrent(N, T, layout, spec):
+        q, k, v = rnd(1, N * T, H * 8, K), rnd(1, N * T, H * 8, K), rnd(1, N * T, HV * 8, V)
+        g, beta = gates(1, N * T, HV * 8)
+        cu = torch.arange(0, N * T + 1, T)
+        shape = (HV * 8, K, V) if layout == "v_last" else (HV * 8, V, K)
+        pool = torch.randn(N * T + 1, *shape)
+        idx = torch.arange(N * T).view(N, T) if spec else torch.arange(N)
+        acc = torch.ones(N, dtype=torch.int32) if spec else None
+        ops.fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=pool, cu_seqlens=cu,
+                                             use_qk_l2norm_in_kernel=True, state_layout=layout,
+                                             ssm_state_indices=idx, num_accepted_tokens=acc,
+                                             inplace_final_state=True)
+
+    def conv(dtype, varlen, pool, train):
+        D, W = 384, 4
+        T = 70
+        x = rnd(1, T, D, dtype=dtype, grad=train)
+        w, bias = rnd(D, W, dtype=dtype, grad=train), rnd(D, dtype=dtype, grad=train)
+        kw = {}
+        if varlen:
+            kw["cu_seqlens"] = torch.tensor([0, 5, T])
+        if pool:
+            kw.update(conv_state=rnd(4, D, W - 1, dtype=dtype), conv_state_indices=torch.tensor([1, -1]))
+        y = ops.causal_conv1d(x, w, bias, **kw)
+        if train:
+            y.float().sum().backward()
+
+    def conv_update(dtype):
+        D, W = 384, 4
+        st = rnd(4, D, W - 1, dtype=dtype)
+        ops.causal_conv1d_update(rnd(2, D, dtype=dtype), st, rnd(D, W, dtype=dtype), None,
+                                 conv_state_indices=torch.tensor([3, -1]))
+
+    def gate_norm(dtype):
+        a = rnd(64, HV, dtype=dtype, grad=True)
+        ops.gdn_gate(a, torch.rand(HV), torch.rand(HV)).sum().backward()
+        x, z = rnd(64, HV, V, dtype=dtype, grad=True), rnd(64, HV, V, dtype=dtype, grad=True)
+        gated_rms_norm(x, z, torch.rand(V, dtype=dtype, requires_grad=True)).float().sum().backward()
+
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for layout in ("v_last", "k_last"):
+            out.append((f"chunk train {dtype} {layout}", lambda d=dtype, lo=layout: chunk(d, lo, True, False, True,
+                                                                                          True)))
+        out.append((f"chunk pool {dtype}", lambda d=dtype: chunk(d, "k_last", True, True, True, False)))
+        out.append((f"chunk dense no-l2 {dtype}", lambda d=dtype: chunk(d, "v_last", False, False, False, True)))
+        out.append((f"conv {dtype}", lambda d=dtype: (conv(d, False, False, True), conv(d, True, True, True),
+                                                      conv_update(d))))
+        out.append((f"gate+norm {dtype}", lambda d=dtype: gate_norm(d)))
+    # decode regimes of recurrent._decode_config at HV = 32: N*HV < 2048 / fp32 / 16-bit < 8192 / 16-bit >= 8192
+    for B, sd in ((1, torch.float32), (64, torch.float32), (64, torch.bfloat16), (256, torch.bfloat16)):
+        for layout in ("k_last", "v_last"):
+            out.append((f"decode B={B} {sd} {layout}", lambda B=B, sd=sd, lo=layout: decode(B, sd, lo)))
+    # recurrent regimes: N*HV < 2048 and >= 2048; speculative verify with 2-D slots
+    for N, T, spec in ((2, 3, False), (64, 2, False), (4, 3, True)):
+        for layout in ("v_last", "k_last"):
+            out.append((f"recurrent N={N} T={T} spec={spec} {layout}",
+                        lambda N=N, T=T, s=spec, lo=layout: recurrent(N, T, lo, s)))
+    return out
+
+
+def _run_scenarios() -> int:
+    records: list = []
+    triton = _install(records)
+    print(f"gdn.aot: Triton {triton.__version__}, target cuda:90, env {os.environ.get('GDN_AOT_ENV', '{}')}",
+          flush=True)
+    scen_errors = 0
+    for name, fn in _scenarios():
+        n0 = len(records)
+        try:
+            fn()
+        except Exception as e:  # the op itself (not a compile) failed: report, go on
+            scen_errors += 1
+            print(f"SCENARIO ERROR {name}: {type(e).__name__}: {e}", flush=True)
+        new = records[n0:]
+        bad = [r for r in new if r[1] is None]
+        print(f"{name}: {len(new)} launches, {len(bad)} compile errors", flush=True)
+    seen, errors = {}, {}
+    for key, kernel, info in records:
+        if kernel is None:
+            errors.setdefault(key, info)
+        else:
+            seen.setdefault((key, kernel.hash if hasattr(kernel, "hash") else id(kernel)), (kernel, info))
+    for (key, _), (kernel, secs) in sorted(seen.items(), key=lambda x: x[0][0][:2]):
+        md = kernel.metadata
+        print(f"  ok  {key[0].rsplit('.', 1)[-1]}.{key[1]} warps={md.num_warps} stages={md.num_stages} "
+              f"shared={md.shared} ({secs:.1f} s)")
+    for key, info in errors.items():
+        print(f"  FAIL {key[0]}.{key[1]} warps={key[2]} stages={key[3]}: {info}")
+    print(f"gdn.aot: {len(seen)} distinct compiled kernels, {len(errors)} failing configurations, "
+          f"{scen_errors} scenario errors", flush=True)
+    return 1 if errors or scen_errors else 0
+
+
+def main(argv=None) -> int:
+    """Run every scenario set (:data:`_ENV_SCENARIOS`) in a fresh process without ``TRITON_INTERPRET``."""
+    if os.environ.get("GDN_AOT_CHILD") == "1":
+        return _run_scenarios()
+    rc = 0
+    for extra in _ENV_SCENARIOS:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        env.update(extra, GDN_AOT_CHILD="1", GDN_AOT_ENV=repr(extra))
+        env.setdefault("CUDA_VISIBLE_DEVICES", "")
+        rc |= subprocess.run([sys.executable, "-m", "gdn.aot"], env=env).returncode
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())
