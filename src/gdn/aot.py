@@ -19,7 +19,7 @@ import sys
 import time
 import types
 
-_ENV_SCENARIOS = [{}, {"GDN_CHUNK_SEGMENT": "2", "GDN_BWD_SEGMENT": "8"}]
+_ENV_SCENARIOS = [{}, {"GDN_TUNE": "chunk_fwd.segment_chunks=2,chunk_bwd.segment_chunks=8"}]
 _FAKE_SMS = 132
 # (module, function) of the launchers' device-dependent choices: called with a CUDA-like device here
 _GPU_CHOICES = [("gdn.kernels.conv", "_block_d"), ("gdn.kernels.conv", "_block_t"), ("gdn.kernels.conv", "_num_sms"),
@@ -237,14 +237,104 @@ def _run_scenarios() -> int:
     return 1 if errors or scen_errors else 0
 
 
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the Gluon (sm_90-only) kernels: compiled directly (the ops take them only on a Hopper GPU)
+# ----------------------------------------------------------------------------------------------------------------------
+def compile_gluon(kernel, args: dict, constexprs: dict, num_warps: int = 4):
+    """Compile a Gluon kernel for sm_90 from example arguments (tensor -> pointer, int -> i32, float -> fp32, TMA
+    descriptors by their own signature type); constexprs by value."""
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    ptr = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64"}
+    sig, consts, attrs = {}, {}, {}
+    for i, n in enumerate(kernel.arg_names):
+        if n in constexprs:
+            sig[n], consts[(i,)] = "constexpr", constexprs[n]
+            continue
+        val = args[n]
+        if isinstance(val, torch.Tensor):
+            sig[n], attrs[(i,)] = "*" + ptr[val.dtype], [["tt.divisibility", 16]]
+        elif isinstance(val, bool):
+            sig[n] = "i1"
+        elif isinstance(val, int):
+            sig[n] = "i32"
+        elif isinstance(val, float):
+            sig[n] = "fp32"
+        else:
+            sig[n] = mangle_type(val)
+    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+def compile_hopper_state_pass(BV=64, NS=2, from_ainv=True, dtype=None, **flags):
+    """The Hopper state pass (gdn.kernels.chunk.hopper) for one configuration; ``flags`` override its constexprs."""
+    import torch
+    from .kernels.chunk import hopper as m
+
+    dt = dtype or torch.bfloat16
+    B, T, H, HV, K, V = 1, 256, 2, 4, 128, 128
+    k = torch.empty(B, T, H, K, dtype=dt)
+    v = torch.empty(B, T, HV, V, dtype=dt)
+    a = torch.empty(B, T, HV, 64 if from_ainv else K, dtype=dt)
+    h = torch.empty(8, HV, K, V, dtype=dt)
+    dn = m._GL_DT[dt]
+    f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
+    args = dict(k_desc=m._desc(m._rows2d(k), (64, K), dn), v_desc=m._desc(m._rows2d(v), (64, BV), dn),
+                a_desc=m._desc(a.reshape(B * T, -1), (64, a.shape[-1]), dn),
+                h_desc=m._desc(h.view(-1, V), (K, BV), dn), beta=torch.empty(4, dtype=dt), gcum=f32, rk_in=f32,
+                vnew=torch.empty(4, dtype=dt), h0=f32, ht=f32, h0_idx=i32, ht_idx=i32, segments=i32, cu_seqlens=i32,
+                chunk_offsets=i32, T=T, P0=3, P1=3, s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3, s0v=1, s1n=3,
+                s1h=3, s1k=3, s1v=1)
+    cx = dict(H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
+              STORE_H=True, STORE_VNEW=True, STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, NS=NS,
+              FROM_AINV=from_ainv, num_warps=4)
+    cx.update(flags)
+    return compile_gluon(m._state_pass_sm90_kernel, args, cx)
+
+
+HOPPER_CONFIGS = [dict(BV=bv, from_ainv=fa, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=idx, HT_INDEXED=idx,
+                       STORE_FINAL=not seg)
+                  for bv in (32, 64) for fa in (True, False)
+                  for (init, vl, seg, idx) in ((1, True, False, True), (0, False, False, False), (1, True, True, False))]
+
+
+def _compile_hopper() -> int:
+    from .kernels import _gluon_api
+
+    if not _gluon_api.AVAILABLE:
+        print("gdn.aot: hopper: Gluon not available in this Triton (the portable kernels run instead)", flush=True)
+        return 0
+    bad = 0
+    for cfg in HOPPER_CONFIGS:
+        try:
+            compile_hopper_state_pass(**cfg)
+        except Exception as e:  # noqa: BLE001 - reported, counted
+            bad += 1
+            cause = e
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                cause = cause.__cause__ or cause.__context__
+            print(f"  FAIL hopper state pass {cfg}: {type(cause).__name__}: {cause}", flush=True)
+    print(f"gdn.aot: hopper: {len(HOPPER_CONFIGS) - bad} of {len(HOPPER_CONFIGS)} state-pass configurations compile",
+          flush=True)
+    return 1 if bad else 0
+
 def main(argv=None) -> int:
     """Run every scenario set (:data:`_ENV_SCENARIOS`) in a fresh process without ``TRITON_INTERPRET``."""
     if os.environ.get("GDN_AOT_CHILD") == "1":
-        return _run_scenarios()
+        rc = _run_scenarios()
+        if os.environ.get("GDN_AOT_HOPPER") == "1":
+            rc |= _compile_hopper()
+        return rc
     rc = 0
     for extra in _ENV_SCENARIOS:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        env.update(extra, GDN_AOT_CHILD="1", GDN_AOT_ENV=repr(extra))
+        env.update(extra, GDN_AOT_CHILD="1", GDN_AOT_ENV=repr(extra), GDN_AOT_HOPPER="1" if not extra else "0")
         env.setdefault("CUDA_VISIBLE_DEVICES", "")
         rc |= subprocess.run([sys.executable, "-m", "gdn.aot"], env=env).returncode
     return rc

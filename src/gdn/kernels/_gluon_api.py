@@ -11,11 +11,14 @@ try:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
 
-    if not hasattr(tma, "async_copy_global_to_shared") and hasattr(tma, "async_load"):
-        tma.async_copy_global_to_shared = tma.async_load
-    if not hasattr(tma, "async_copy_shared_to_global") and hasattr(tma, "async_store"):
-        tma.async_copy_shared_to_global = tma.async_store
-    AVAILABLE = all(hasattr(tma, n) for n in ("async_copy_global_to_shared", "async_copy_shared_to_global",
-                                              "store_wait"))
+    # TMA copies: async_copy_global_to_shared / async_copy_shared_to_global up to 3.6; async_load / async_store from
+    # the release that renamed them (3.9 keeps the old names only as functions that raise)
+    if hasattr(tma, "async_load"):
+        tma_load, tma_store = tma.async_load, tma.async_store
+    else:
+        tma_load, tma_store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
+    # CTA-wide barrier: gl.thread_barrier up to 3.6, gl.barrier later
+    cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+    AVAILABLE = hasattr(tma, "store_wait")
 except Exception:  # pragma: no cover - Triton without Gluon
     AVAILABLE = False

@@ -208,13 +208,13 @@ def recurrent_gdn_fwd_kernel(
                     par = tl.load(parent + i_n.to(tl.int64) * s_par_n + t * s_par_t).to(tl.int64)
                     tl.debug_barrier()  # this program's earlier cache stores are visible to all its threads
                     b_p = tl.load(cache + slot * s_cache + tl.maximum(par, 0) * (HV * K * V) + head_off + o_s,
-                                  mask=m_s & (par >= 0), other=0.0).to(tl.float32)
+                                  mask=tl.where(par >= 0, m_s, False), other=0.0).to(tl.float32)
                     b_s = tl.where(par >= 0, b_p, b_s0)
             b_s = _token_step(b_s, q, k, v, g, beta, a, b, o, t, p_q, p_k, p_v, p_o, p_gate, s_qt, s_kt,
                               s_vt, b_A, b_dtb, scale, m_k, m_v, HV, V, GATE_RAW, BETA_MODE, L2NORM)
             if CACHE:  # the state after token t goes to the per-token buffer
                 tl.store(cache + tl.maximum(slot, 0) * s_cache + t * (HV * K * V) + head_off + o_s,
-                         b_s.to(cache.dtype.element_ty), mask=m_s & (slot >= 0))
+                         b_s.to(cache.dtype.element_ty), mask=tl.where(slot >= 0, m_s, False))
             if WRITE_MODE == 3:  # the state after token t goes to pool row idx[n, t] (out_idx[n, t])
                 row_t, ok_t = _write_row(idx, out_idx, i_n.to(tl.int64), t, s_idx, s_oidx, n_cols, row_in, valid,
                                          P_out, WRITE_MODE, OUT_IDX)

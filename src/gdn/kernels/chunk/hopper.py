@@ -38,7 +38,8 @@ CHUNK = 64
 
 if G.AVAILABLE:
     gluon, gl = G.gluon, G.gl
-    tma, mbarrier = G.tma, G.mbarrier
+    tma, mbarrier, tma_load, tma_store = G.tma, G.mbarrier, G.tma_load, G.tma_store
+    cta_barrier = G.cta_barrier
     fence_async_shared, warpgroup_mma, warpgroup_mma_wait = G.fence_async_shared, G.warpgroup_mma, G.warpgroup_mma_wait
 
     @gluon.jit
@@ -61,9 +62,9 @@ if G.AVAILABLE:
         """TMA copies of one chunk's k [64, K], v (or u) [64, BV] and Ainv [64, 64] (or w [64, K]) into one ring stage,
         completing on ``bar``; nothing when ``pred`` is false (past the segment)."""
         mbarrier.expect(bar, nbytes, pred=pred)
-        tma.async_copy_global_to_shared(k_desc, [row, col_k], bar, k_buf, pred=pred)
-        tma.async_copy_global_to_shared(v_desc, [row, col_v], bar, v_buf, pred=pred)
-        tma.async_copy_global_to_shared(a_desc, [row, col_a], bar, a_buf, pred=pred)
+        tma_load(k_desc, [row, col_k], bar, k_buf, pred=pred)
+        tma_load(v_desc, [row, col_v], bar, v_buf, pred=pred)
+        tma_load(a_desc, [row, col_a], bar, a_buf, pred=pred)
 
     @gluon.jit
     def _chunk_gates(gcum, beta, rk_in, row0, to, eos, tok0, i_b, i_h, i_hv, has_chunk, s_bb, s_bt, s_bh,
@@ -180,9 +181,9 @@ if G.AVAILABLE:
                 tma.store_wait(0)
             h_s.store(h.to(dt))
             fence_async_shared()
-            gl.thread_barrier()
+            cta_barrier()
             if STORE_H:
-                tma.async_copy_shared_to_global(h_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], h_s)
+                tma_store(h_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], h_s)
             mbarrier.wait(bars.index(s), phase)
             dec = gl.where(m, gl.exp(g_last - b_g) * rk, 0.0)
             if FROM_AINV:
@@ -194,7 +195,7 @@ if G.AVAILABLE:
                 r = gl.where(m[:, None], (vt - kh * fk[:, None]) * b_beta[:, None], 0.0)
                 r_s.store(r.to(dt))
                 fence_async_shared()
-                gl.thread_barrier()
+                cta_barrier()
                 # ---- 3. v_new = Ainv @ r
                 vn = warpgroup_mma(a_s.index(s), r_s, zero, use_acc=False, is_async=True)
                 vn = warpgroup_mma_wait(0, deps=[vn])
@@ -210,7 +211,7 @@ if G.AVAILABLE:
             d = gl.where(m[:, None], vn * dec[:, None], 0.0)
             d_s.store(d.to(dt))
             fence_async_shared()
-            gl.thread_barrier()
+            cta_barrier()
             # ---- 4. h = exp(g_last) h + k^T d
             h = warpgroup_mma(k_s.index(s).permute((1, 0)), d_s, h * gl.exp(g_last), is_async=True)
             h = warpgroup_mma_wait(0, deps=[h])
