@@ -50,7 +50,7 @@ def _store_checkpoint(h, c, CK_E, ck_pool, ck_idx, n, P2, CK_C, s_ckn, s2n, s2h,
     row = tl.load(ck_idx + n.to(tl.int64) * s_ckn + tl.minimum(tl.maximum(col, 0), CK_C - 1), mask=hit,
                   other=-1).to(tl.int64)
     p = ck_pool + row * s2n + i_hv * s2h + ok[:, None] * s2k + ov[None, :] * s2v
-    tl.store(p, _rn(h, ck_pool.dtype.element_ty), mask=m_kv & hit & (row >= 0) & (row < P2))
+    tl.store(p, _rn(h, ck_pool.dtype.element_ty), mask=tl.where(hit & (row >= 0) & (row < P2), m_kv, False))
 
 
 @triton.jit(do_not_specialize=["T", "P0", "P1", "P2", "CK_E", "CK_C"])
@@ -184,7 +184,7 @@ def _chunk_state_kernel(
     if CKPT:  # a sequence that ends on a checkpoint (only the segment that reaches the end writes it)
         if c_end.to(tl.int64) * 64 >= eos - bos:
             _store_checkpoint(h, c_end.to(tl.int64), CK_E, ck_pool, ck_idx, n, P2, CK_C, s_ckn, s2n, s2h, s2k, s2v,
-                              i_hv, ok, ov, m_kv & ((eos - bos) % 64 == 0))
+                              i_hv, ok, ov, tl.where((eos - bos) % 64 == 0, m_kv, False))
     if INIT == 3:
         rs = i_s.to(tl.int64)
         tl.store(ht + rs * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v, _rn(h, ht.dtype.element_ty),
