@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from .. import _gluon_api as G
+from ..tuning import capability
 
 CHUNK = 64
 
@@ -246,14 +247,12 @@ def _rows2d(x: torch.Tensor) -> Optional[torch.Tensor]:
     return x.as_strided((B * T, Hh * D), (row, 1))
 
 
-def supported(k, v, ainv, h_out, vnew, dt, K: int, V: int, init: int, fuse: bool, split_h: bool,
+def supported(k, v, ainv, h_out, vnew, dt, K: int, V: int, init: int, split_h: bool,
               checkpoints: bool = False) -> bool:
     """Whether the sm_90 pass can run this launch (else the portable kernel does). ``v``/``ainv``: v [B, T, HV, V]
     and Ainv [B, T, HV, 64], or u [B, T, HV, V] and w [B, T, HV, K] (w/u mode). ``checkpoints``: prefix-cache
     checkpoint stores asked (the portable kernel's CKPT mode; not in this pass yet)."""
-    if not G.AVAILABLE or fuse or split_h or checkpoints or init not in (0, 1) or not k.is_cuda:
-        return False
-    if torch.cuda.get_device_capability(k.device) != (9, 0):
+    if not G.AVAILABLE or split_h or checkpoints or init not in (0, 1) or capability(k.device) != "sm_90":
         return False
     if dt not in _GL_DT or k.dtype != dt or v.dtype != dt or ainv is None or ainv.dtype != dt:
         return False

@@ -278,7 +278,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     xs, mats = (v, ainv) if from_ainv else (u, w)
     ckpt = checkpoint_indices is not None and checkpoint_indices.shape[1] > 0
     sm90 = (cfg.state_sm90 and xs is not None and not split_h
-            and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, False, checkpoints=ckpt))
+            and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, checkpoints=ckpt))
 
     def sm90_tile(programs_per_column_tile: int) -> int:
         """V tile of the sm_90 pass for a grid of ``programs_per_column_tile`` x (V / tile) CTAs; 0 = portable."""
@@ -321,7 +321,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
 
     def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, ck=None, **flags):
         bv9 = sm90_tile(S * HV) if (n_extra == 0 and Vd == V) else 0
-        if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], False, split_h,
+        if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,
                                     checkpoints=bool(ck)):
             # Hopper: the Gluon form of this pass (TMA ring, asynchronous wgmma; hopper.py)
             hopper.launch_state_pass(
