@@ -4,9 +4,10 @@ instruction sequence (barriers, stores, waits between the tensor-core products) 
 
     python3 bench/aot_chunk.py [--stages 2,3] [--seq]
 
-Rows: the forward state pass (``_chunk_state_kernel``, ainv and w/u modes) and the backward's reverse pass
-(``chunk_bwd_dh_kernel``) at 1x32768 16/32 (K = V = 128, bf16, L2 norm, BV 64) for each pipelining depth. How to read
-the sequence: ``bench/chunk_notes.md`` ("What the sm_90 build of a chunk step contains").
+Rows: the forward state pass (``_chunk_state_kernel``, ainv and w/u modes), its Gluon Hopper form
+(``gdn.kernels.chunk.hopper``, ainv and w/u modes, V tiles 32 and 64; the depth of its TMA ring = the stages) and the
+backward's reverse pass (``chunk_bwd_dh_kernel``) at 1x32768 16/32 (K = V = 128, bf16, L2 norm, BV 64) for each
+pipelining depth. How to read the sequence: ``bench/NOTES.md`` (chunked kernels: design, resources).
 """
 import argparse
 import os
@@ -20,6 +21,7 @@ import torch  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from aot_regs import aot_compile, resource_usage, sass_sequence  # noqa: E402
+from gdn.aot import compile_hopper_state_pass  # noqa: E402
 
 BF, F32, I32 = (torch.empty(1, dtype=d) for d in (torch.bfloat16, torch.float32, torch.int32))
 T, H, HV, K, V, BV = 32768, 16, 32, 128, 128, 64
@@ -32,8 +34,9 @@ def state_pass(from_ainv: bool, stages: int):
                 h0_idx=I32, ht_idx=I32, segments=I32, chunk_offsets=I32, cu_seqlens=I32,
                 T=T, P0=1, P1=1, NV=2, s_kb=T * H * K, s_kt=H * K, s_kh=K, s_vb=T * HV * V,
                 s_vt=HV * V, s_vh=V, s_bb=T * HV, s_bt=HV, s_bh=1, s0n=HV * K * V, s0h=K * V, s0k=V, s0v=1,
-                s1n=HV * K * V, s1h=K * V, s1k=V, s1v=1)
-    ce = dict(H=H, HV=HV, K=K, V=V, KP=K, BV=BV, USE_L2=True, IS_VARLEN=False, FROM_AINV=from_ainv, INIT=1,
+                s1n=HV * K * V, s1h=K * V, s1k=V, s1v=1, ck_pool=None, ck_idx=None, P2=0, CK_E=1, CK_C=0, s_ckn=0,
+                s2n=0, s2h=0, s2k=0, s2v=0)
+    ce = dict(CKPT=False, H=H, HV=HV, K=K, V=V, KP=K, BV=BV, USE_L2=True, IS_VARLEN=False, FROM_AINV=from_ainv, INIT=1,
               H0_BY_SEG=False, H0_INDEXED=False, HAS_U=True, STORE_H=True, STORE_VNEW=True, STORE_FINAL=True,
               HT_BY_SEG=False, HT_INDEXED=False, DT=tl.bfloat16, PREC="tf32x3",
               SPLIT_H=False)
@@ -59,12 +62,15 @@ def main():
     for st in (int(x) for x in a.stages.split(",")):
         builds = [(f"state pass {'ainv' if fa else 'w/u'}", lambda fa=fa, st=st: state_pass(fa, st))
                   for fa in (True, False)]
+        builds += [(f"hopper state pass {'ainv' if fa else 'w/u'} BV {bv}",
+                    lambda fa=fa, bv=bv, st=st: compile_hopper_state_pass(BV=bv, NS=st, from_ainv=fa))
+                   for fa in (True, False) for bv in (32, 64)]
         builds.append(("reverse pass", lambda st=st: reverse_pass(st)))
         for name, build in builds:
             c = build()
             r = resource_usage(c)
             seq = sass_sequence(c, loop_only=True)
-            print(f"{name:28s} stages {st}  regs {r['regs']:3d}  spill {r['stack']:4d} B  shared {r['shared']:6d} B"
+            print(f"{name:32s} stages {st}  regs {r['regs']:3d}  spill {r['stack']:4d} B  shared {r['shared']:6d} B"
                   f"  loop: barriers {sum(int(x.split('x')[-1]) for x in seq.split() if x.startswith('BAR.SYNC'))}",
                   flush=True)
             if a.seq:

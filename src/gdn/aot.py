@@ -243,7 +243,7 @@ def _run_scenarios() -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 def compile_gluon(kernel, args: dict, constexprs: dict, num_warps: int = 4):
     """Compile a Gluon kernel for sm_90 from example arguments (tensor -> pointer, int -> i32, float -> fp32, TMA
-    descriptors by their own signature type); constexprs by value."""
+    descriptors by their own signature type); constexprs by value. Used by gdn.aot and bench/aot_chunk.py."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
