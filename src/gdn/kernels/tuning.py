@@ -43,7 +43,8 @@ class ChunkForward:
     # chunks, asynchronous wgmma) where it supports the launch. state_sm90_BV: 0 = the narrowest V tile (32, then 64)
     # whose grid fits one wave of CTAs (one per SM: a chunk step takes 1.1-1.4 us alone on an SM and slows down when
     # SMs are shared; H200); larger grids run the portable pass, which keeps several CTAs per SM busy. One of its
-    # steps costs ~state_sm90_step_cost portable steps (segment planning). bench/results/sm90_state_h200.json
+    # steps costs ~state_sm90_step_cost portable steps (segment planning). bench/results/sm90_state_h200.json;
+    # the A/B: bench/sweeps.json sm90-*
     state_sm90: bool = True
     state_sm90_BV: int = 0
     state_sm90_stages: int = 2
