@@ -177,7 +177,8 @@ def test_layer_decode_bytes_are_the_weights_once_plus_the_cached_states_and_the_
     states = cache.conv_states[0, :N].nbytes + cache.ssm_states[0, :N].nbytes
     assert C.cost(c)["bytes"] == weights + 2 * states + 2 * N * hidden * 2
     full = [x for x in C.full_cases() if x.op == "layer_decode"]
-    assert [(x.batch, x.seqlen, x.H, x.HV, x.hidden, x.state_dtype) for x in full] == [(256, 1, 16, 32, 2048, "fp32")]
+    assert [(x.batch, x.seqlen, x.H, x.HV, x.hidden, x.state_dtype) for x in full] == [
+        (256, 1, 16, 32, 2048, "fp32"), (256, 1, 16, 32, 2048, "bf16")]
     f = C.floors_ms(full[0], 4270.0, 790.0)
     assert f["bytes"] == pytest.approx(1193.6e6, rel=1e-4) and f["mem_floor_ms"] > 10 * f["compute_floor_ms"]
 
@@ -480,6 +481,24 @@ def test_bench_run_writes_record_and_resumes(fakes, monkeypatch, tmp_path, capsy
     assert B._run(args, cases[1:2], [], torch.device("cpu"), device_cls=_FakeDevice) == 0
     doc3 = json.load(open(tmp_path / "r2" / "fake-gpu.json"))
     assert sorted(r["key"] for r in doc3["rows"]) == sorted(c.key for c in cases) and not calls
+
+
+def test_bench_run_cut_off_keeps_resumed_rows_of_later_cases(fakes, monkeypatch, tmp_path):
+    """Every write during a resumed run holds the whole record: resumed rows of cases the loop has not reached yet
+    are not dropped when the run is killed after its first measured case (a device call's time limit)."""
+    cases = [_case("conv", 1, 30), _case("decode", 3, 1, "fp32"), _case("conv", 2, 30)]
+    args = _args(["--out", str(tmp_path), "--no-plot"])
+    assert B._run(args, cases, [], torch.device("cpu"), device_cls=_FakeDevice) == 0
+    doc = json.load(open(tmp_path / "fake-gpu.json"))
+    doc["rows"][0]["skipped"], doc["rows"][0]["gdn_ms"] = "time budget", None
+    json.dump(doc, open(tmp_path / "prev.json", "w"))
+    writes = []
+    real_write = report.write_json
+    monkeypatch.setattr(report, "write_json", lambda path, header, rows: writes.append([r["key"] for r in rows])
+                        or real_write(path, header, rows))
+    args = _args(["--out", str(tmp_path / "r"), "--no-plot", "--resume-from", str(tmp_path / "prev.json")])
+    assert B._run(args, cases, [], torch.device("cpu"), device_cls=_FakeDevice) == 0
+    assert len(writes) == 2 and all(sorted(w) == sorted(c.key for c in cases) for w in writes)
 
 
 def test_bench_run_budget_skips(fakes, tmp_path, capsys):

@@ -182,6 +182,12 @@ def test_packed_projection_equals_grouped_unpacking():
     for a, b in zip(outs[True][0] + outs[True][1], outs[False][0] + outs[False][1]):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # both against the oracle's per-key-head unpacking (float64 weights: the explicit split / reshape / cat)
+    with torch.no_grad():
+        plain = layer._project(x, dtype=torch.float64, packed=False)
+    for a, b in zip(outs[False][0], plain):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
 def test_wrapped_or_hooked_projections_are_called():
@@ -216,3 +222,22 @@ def test_wrapped_or_hooked_projections_are_called():
     layer2.in_proj_ba.register_forward_hook(lambda m, i, o: o * 0)
     b = layer2._project(x)[2]
     assert torch.count_nonzero(b) == 0
+
+
+@pytest.mark.parametrize("H,HV,K,V", [(2, 6, 8, 12), (1, 1, 16, 16), (3, 3, 4, 8)])
+def test_unpack_kernel_equals_plain_unpacking(H, HV, K, V):
+    """The decode path's unpacking kernel (no autograd) puts every column where the per-key-head split / reshape /
+    cat puts it (bitwise: pure data movement), for GVA ratios 3 and 1 and K != V, on strided projection outputs."""
+    from gdn.kernels.unpack import unpack_qkvz_ba
+
+    layer = make_layer(H=H, HV=HV, K=K, V=V, hidden=16)
+    x = torch.randn(3, 5, 16, device=DEV)
+    with torch.no_grad():
+        plain = layer._project(x, dtype=torch.float32, packed=False)
+        wide = torch.randn(3, 5, layer.in_proj_qkvz.out_features + 7, device=DEV)
+        qkvz = wide[..., 3:3 + layer.in_proj_qkvz.out_features]        # a strided view, last dim contiguous
+        qkvz.copy_(layer.in_proj_qkvz(x))
+        got = unpack_qkvz_ba(qkvz, layer.in_proj_ba(x), H, HV, K, V)
+    for g, p in zip(got, plain):
+        assert g.shape == p.shape and g.is_contiguous()
+        assert torch.equal(g, p)

@@ -446,7 +446,7 @@ def test_state_pass_variants(cfg):
     _check(o, ht, ro, rht, torch.bfloat16)
 
 
-@pytest.mark.parametrize("heads,BK,BV", [(2, 16, 32), (0, 64, 64), (3, 16, 64)])
+@pytest.mark.parametrize("heads,BK,BV", [(2, 16, 32), (0, 64, 64), (3, 16, 64), (1, 32, 32)])
 def test_output_kernel_value_heads_per_program(heads, BK, BV):
     """The output kernel with several value heads per program (shared q k^T): GVA 4, K split into BK tiles (the
     first one kept across the heads), V tiles, a pool with a padding sequence (zeros for all its heads)."""
@@ -462,7 +462,7 @@ def test_output_kernel_value_heads_per_program(heads, BK, BV):
     pool = _state(3, HV, K, V, "v_last")
     before = pool.clone()
     with tuning.override("chunk_fwd", output_heads=heads, output_BK=BK, output_BV=BV, debug_poison=True):
-        assert _output_heads(H, HV) == {2: 2, 0: 4, 3: 2}[heads]
+        assert _output_heads(H, HV) == {2: 2, 0: 4, 3: 2, 1: 1}[heads]
         o, _ = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
                                       cu_seqlens=cu, use_qk_l2norm_in_kernel=True, ssm_state_indices=idx)
     h0 = torch.stack([before[i] if i >= 0 else torch.zeros_like(before[0]) for i in idx.tolist()])

@@ -194,8 +194,9 @@ def test_prefill_then_update_equals_one_conv(device, nan_empty):
         assert rel_err(pool[idx[n]], fin[0]) == 0
 
 
-def test_update_padding_and_untouched_rows(device, nan_empty):
-    W, D, P, N, T = 3, 200, 7, 5, 2
+@pytest.mark.parametrize("W,T", [(3, 2), (2, 1), (3, 1), (4, 1)])   # T = 1: the decode-step kernel
+def test_update_padding_and_untouched_rows(device, nan_empty, W, T):
+    D, P, N = 200, 7, 5
     idx = torch.tensor([3, -1, 0, 6, -1], dtype=torch.int32, device=device)
     pool = _pool(P, D, W, [3, 0, 6], torch.bfloat16, device)
     before = pool.clone()

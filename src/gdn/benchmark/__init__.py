@@ -213,7 +213,9 @@ def _run(args, cases, wanted_peers, dev, device_cls=_Device) -> int:
                 lost, status = str(e)[:200], 3
             rows.append(report.finalize_row(row, copy_GBps, tflops))
             header["elapsed_s"] = round(time.time() - t_start, 1)
-            report.write_json(json_path, header, rows + kept)
+            # resumed rows of cases not reached yet stay in the file too (a run cut off keeps the whole record)
+            written = {r["key"] for r in rows}
+            report.write_json(json_path, header, rows + [r for k, r in done.items() if k not in written])
         prog.update(c.label())
     prog.close()
     header["elapsed_s"] = round(time.time() - t_start, 1)

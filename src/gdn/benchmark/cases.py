@@ -197,9 +197,10 @@ def _layer(specs) -> List[Case]:
     return [Case("layer", m, B, T, *_hh(m), hidden=HIDDEN[m]) for (m, B, T) in specs]
 
 
-def _layer_decode(specs) -> List[Case]:
-    """One cached decode step (1 token per sequence) with the layer's default cache: fp32 states."""
-    return [Case("layer_decode", m, B, 1, *_hh(m), state_dtype="fp32", hidden=HIDDEN[m]) for (m, B) in specs]
+def _layer_decode(specs, state_dtypes=("fp32", "bf16")) -> List[Case]:
+    """One cached decode step (1 token per sequence) with the layer's default cache layout, fp32 and bf16 states."""
+    return [Case("layer_decode", m, B, 1, *_hh(m), state_dtype=sd, hidden=HIDDEN[m]) for (m, B) in specs
+            for sd in state_dtypes]
 
 
 def quick_cases() -> List[Case]:

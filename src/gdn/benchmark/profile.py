@@ -1,8 +1,10 @@
 """``gdn profile``: the time of every kernel of one chunked forward (+ backward) call, from torch.profiler's CUDA
-kernel records (gdn, and fla with ``--fla`` when importable). The tool for an A/B of a tuning field::
+kernel records (gdn, and fla with ``--fla`` when importable), or of one cached decode step of the GatedDeltaNet
+layer (``--layer-decode N``). The tool for an A/B of a tuning field::
 
     gdn profile --shapes 1x32768:16/32,4x4096:16/32 --out $OUT/profile.json
     GDN_TUNE=chunk_fwd.state_stages=3 gdn profile --forward --out $OUT/profile_stages3.json
+    gdn profile --layer-decode 256 --state-dtype fp32 --layout v_last --out $OUT/layer_decode.json
 
 Inputs per shape ``NxT:H/HV``: bf16 q/k/v/beta, fp32 g, K = V = 128, L2 norm on, fp32 initial and final state; one
 warm-up call, then ``--iters`` profiled calls; prints every kernel's mean time per call (us) and their sum.
@@ -98,17 +100,87 @@ def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = Fal
     return rows
 
 
+def layer_decode(N: int, state_dtype: str = "fp32", layout: str = "v_last", hidden: int = 2048, H: int = 16,
+                 HV: int = 32, iters: int = 20, out=None, print_fn=print):
+    """Kernels of one cached decode step of :class:`gdn.layers.GatedDeltaNet` (bf16 weights, ``N`` sequences x 1
+    token, states of ``state_dtype`` in ``layout`` after a 16-token prefill), plus the step's CUDA-graph replay time
+    and the fraction of copy bandwidth its bytes (the layer_decode floor of ``gdn.benchmark.cases``) reach."""
+    import json
+
+    from gdn.benchmark.cases import Case, cost
+    from gdn.benchmark.timing import measure_copy_GBps
+    from gdn.layers import GDNCache, GatedDeltaNet
+
+    dev = torch.device("cuda")
+    sdt = {"fp32": torch.float32, "bf16": torch.bfloat16}[state_dtype]
+    torch.manual_seed(0)
+    bf = dict(device=dev, dtype=torch.bfloat16)
+    layer = GatedDeltaNet(hidden, H, HV, 128, 128, **bf).eval()
+    cache = GDNCache.for_layers(layer, num_slots=N, dtype=sdt, state_layout=layout)
+    batch = cache.batch(cache.allocate(N))
+    x = torch.randn(N, 1, hidden, **bf)
+    with torch.no_grad():
+        layer(torch.randn(N, 16, hidden, **bf), cache=batch)
+
+    def step():
+        with torch.no_grad():
+            return layer(x, cache=batch)
+
+    ks = kernel_times(step, iters)
+    total = sum(r[1] for r in ks)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(iters):
+        graph.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    replay_us = e0.elapsed_time(e1) * 1000 / iters
+    case = Case(op="layer_decode", model="qwen3next-tp1", batch=N, seqlen=1, H=H, HV=HV, K=128, V=128,
+                state_dtype=state_dtype, hidden=hidden)
+    nbytes = cost(case)["bytes"]
+    gbps = measure_copy_GBps(dev)
+    frac = nbytes / (replay_us * 1e-6) / (gbps * 1e9)
+    print_fn(f"\n== layer_decode N={N} {state_dtype} {layout}: graph replay {replay_us:.1f} us, sum of kernels "
+             f"{total:.1f} us, {nbytes / 1e6:.1f} MB -> {frac:.1%} of copy ({gbps:.0f} GB/s)")
+    for n, t, c in ks:
+        print_fn(f"  {t:9.1f} us  x{c:4.1f}  {n}")
+    row = dict(op="layer_decode", N=N, state_dtype=state_dtype, layout=layout, replay_us=replay_us, total_us=total,
+               bytes=nbytes, copy_GBps=gbps, frac_of_copy_bw=frac,
+               kernels=[dict(name=n, us=t, calls=c) for n, t, c in ks])
+    if out:
+        with open(out, "w") as f:
+            json.dump(row, f, indent=1)
+    return row
+
+
 def add_arguments(p):
     p.add_argument("--shapes", default="1x32768:16/32,4x4096:16/32", help="NxT:H/HV, comma-separated")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--forward", action="store_true", help="the forward only (default: forward + backward)")
     p.add_argument("--fla", action="store_true", help="also profile fla's chunked op when importable")
     p.add_argument("--out", default=None, help="write the rows here (JSON)")
+    p.add_argument("--layer-decode", type=int, default=0, metavar="N",
+                   help="profile one cached decode step of the GatedDeltaNet layer for N sequences instead")
+    p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="--layer-decode: state dtype")
+    p.add_argument("--layout", choices=("v_last", "k_last"), default="v_last", help="--layer-decode: state layout")
 
 
 def main(args) -> int:
-    run(args.shapes, args.iters, args.forward, args.fla, args.out)
+    if args.layer_decode:
+        layer_decode(args.layer_decode, args.state_dtype, args.layout, iters=max(args.iters, 20), out=args.out)
+    else:
+        run(args.shapes, args.iters, args.forward, args.fla, args.out)
     return 0
 
 
-__all__ = ["run", "kernel_times", "parse_shapes", "add_arguments", "main"]
+__all__ = ["run", "layer_decode", "kernel_times", "parse_shapes", "add_arguments", "main"]

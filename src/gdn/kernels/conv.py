@@ -18,6 +18,10 @@ row ``slot = idx[n]`` and, after its chunk, writes the new state (the last ``W-1
 of ``[0, P)`` (``-1`` = padding, or any out-of-range index when host-side checks were skipped) makes the sequence a
 padding sequence: its outputs are zeros and no pool row is read or written.
 
+Decode step (one token per sequence with a state pool, :func:`causal_conv1d_update_kernel`): one program per
+(sequence, BD channels) loads the whole window (state columns and the token) as one [BD, 4] tile, so the pool row is
+read in contiguous W-1 element pieces once, and writes the shifted window back; no chunk walk.
+
 Backward (no state written; an optional *copy* of the initial states is read): each program walks its chunk
 backwards, recomputing the pre-activation from ``x``, with a register window of the 3 later ``dpre`` values and of the
 3 later inputs; the 3 rows after the chunk (halo) are recomputed first. ``dx`` is written directly; per-program partial
@@ -34,6 +38,9 @@ import triton.language as tl
 from .. import config
 
 GROUP = 4  # rows per inner-loop step; chunk sizes are multiples of it
+# decode-step kernel: channels and warps per program on the GPU (H200, N = 256, D = 8192, W = 4, 8 rotated pool sets:
+# 23.0 us fp32 pool (best, 4 warps: 22.3), 18.8 us bf16 (best); BD 64-1024 x 1-8 warps swept, bench/NOTES.md)
+UPDATE_BD, UPDATE_WARPS = 128, 2
 
 
 def _device_fn(fn):
@@ -236,6 +243,49 @@ def causal_conv1d_fwd_kernel(
                 tl.store(sp + 2 * ssw, v2.to(st_ptr.dtype.element_ty), mask=md)
 
 
+@triton.jit
+def causal_conv1d_update_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, st_ptr, idx_ptr,
+    D, P, sxn, syn, swd, sww, ssp, ssd, ssw,
+    W: tl.constexpr, WP: tl.constexpr, BD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_IDX: tl.constexpr, WRITE_STATE: tl.constexpr,
+    CD: tl.constexpr,
+):
+    """Decode step (one token per sequence, state pool): program = (sequence n, BD channels). The window
+    ``win [BD, WP]`` (columns 0..W-2: the pool row's state, oldest first; column W-1: the token) is one 2-D tile
+    load, ``y = act(bias + sum_j win[:, j] weight[:, j])``, and the new state is the window shifted left by one
+    column (loaded shifted up front; the barrier orders every load of the CTA before its in-place stores)."""
+    n = tl.program_id(0).to(tl.int64)
+    pid_d = tl.program_id(1)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    md = offs_d < D
+    cols = tl.arange(0, WP)
+    if HAS_IDX:
+        slot = tl.load(idx_ptr + n).to(tl.int64)
+    else:
+        slot = n
+    if (slot < 0) | (slot >= P):  # padding sequence: zeros out, pool untouched
+        tl.store(y_ptr + n * syn + offs_d, tl.zeros([BD], dtype=y_ptr.dtype.element_ty), mask=md)
+        return
+    row = st_ptr + slot * ssp + offs_d[:, None] * ssd
+    b_x = tl.load(x_ptr + n * sxn + offs_d, mask=md, other=0.0).to(CD)
+    m_st = md[:, None] & (cols[None, :] < W - 1)
+    win = tl.load(row + cols[None, :] * ssw, mask=m_st, other=0.0).to(CD)
+    win = tl.where(cols[None, :] == W - 1, b_x[:, None], win)
+    m_nx = md[:, None] & (cols[None, :] + 1 < W - 1)
+    nxt = tl.load(row + (cols[None, :] + 1) * ssw, mask=m_nx, other=0.0).to(CD)
+    nxt = tl.where(cols[None, :] == W - 2, b_x[:, None], nxt)
+    wt = tl.load(w_ptr + offs_d[:, None] * swd + cols[None, :] * sww, mask=md[:, None] & (cols[None, :] < W),
+                 other=0.0).to(CD)
+    acc = tl.sum(win * wt, axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_d, mask=md, other=0.0).to(CD)
+    tl.store(y_ptr + n * syn + offs_d, _act(acc, ACT).to(y_ptr.dtype.element_ty), mask=md)
+    if WRITE_STATE:
+        tl.debug_barrier()
+        tl.store(row + cols[None, :] * ssw, nxt.to(st_ptr.dtype.element_ty), mask=m_st)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------------------------------
@@ -434,6 +484,8 @@ def conv_fwd(x, weight, bias, activation: bool, cu_seqlens=None, conv_state=None
     N = cu_seqlens.numel() - 1 if varlen else B
     if B * T * D == 0 or N == 0:
         return y
+    if conv_state is not None and not varlen and T == 1 and 2 <= W <= 4:
+        return _conv_update(x, weight, bias, activation, y, conv_state, state_indices, write_state)
     BD, num_warps = _block_d(D, x.element_size(), x.device)
     if BT is None:
         BT = _block_t(T, x.device, 1 if varlen else N, triton.cdiv(D, BD))
@@ -453,6 +505,26 @@ def conv_fwd(x, weight, bias, activation: bool, cu_seqlens=None, conv_state=None
         W=W, BT=BT, BD=BD, BLOCK_N=BLOCK_N, HAS_BIAS=bias is not None, ACT=bool(activation),
         HAS_STATE=has_state, HAS_IDX=state_indices is not None, WRITE_STATE=has_state and write_state,
         VARLEN=varlen, CD=_compute_dtype(x), num_warps=num_warps,
+    )
+    return y
+
+
+def _conv_update(x, weight, bias, activation: bool, y, conv_state, state_indices, write_state: bool):
+    """One token per sequence with a state pool: :func:`causal_conv1d_update_kernel` (x [N, 1, D], y preallocated).
+    UPDATE_BD channels and UPDATE_WARPS warps per program on the GPU (one [BD, 4] window tile)."""
+    N, _, D = x.shape
+    W = weight.shape[1]
+    if x.device.type == "cuda":
+        BD, warps = min(UPDATE_BD, triton.next_power_of_2(D)), UPDATE_WARPS
+    else:
+        BD, warps = min(128, triton.next_power_of_2(D)), 1
+    ss = conv_state.stride()
+    causal_conv1d_update_kernel[(N, triton.cdiv(D, BD))](
+        x, weight, bias if bias is not None else x, y, conv_state,
+        state_indices if state_indices is not None else x,
+        D, conv_state.shape[0], x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), ss[0], ss[1], ss[2],
+        W=W, WP=4, BD=BD, HAS_BIAS=bias is not None, ACT=bool(activation), HAS_IDX=state_indices is not None,
+        WRITE_STATE=write_state, CD=_compute_dtype(x), num_warps=warps,
     )
     return y
 

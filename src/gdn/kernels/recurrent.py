@@ -51,16 +51,19 @@ def _delta_rule(b_s, b_k, b_q, b_v, b_g, b_beta):
 
 @triton.jit
 def _step_inputs(p_q, p_k, gate, g, beta, a, b, b_A, b_dtb, scale, m_k, GATE_RAW: tl.constexpr,
-                 BETA_MODE: tl.constexpr, L2NORM: tl.constexpr):
+                 BETA_MODE: tl.constexpr, L2NORM: tl.constexpr, gate_ab=None):
     """One token's (q * scale, k) [BK] fp32 (L2-normalised with L2NORM) from the pointer vectors p_q / p_k, and its
-    g, beta at element ``gate`` of the [.., HV] gate tensors (g from a and the head's A_log / dt_bias with GATE_RAW)."""
+    g, beta at element ``gate`` of the [.., HV] gate tensors (g from a and the head's A_log / dt_bias with GATE_RAW);
+    the raw gates a / b at element ``gate_ab`` instead when given (strided a / b rows)."""
+    if gate_ab is None:
+        gate_ab = gate
     b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
     if L2NORM:
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
     if GATE_RAW:
-        b_g = gdn_gate_value(tl.load(a + gate).to(tl.float32), b_A, b_dtb)
+        b_g = gdn_gate_value(tl.load(a + gate_ab).to(tl.float32), b_A, b_dtb)
     else:
         b_g = tl.load(g + gate).to(tl.float32)
     if BETA_MODE == 0:
@@ -68,7 +71,7 @@ def _step_inputs(p_q, p_k, gate, g, beta, a, b, b_A, b_dtb, scale, m_k, GATE_RAW
     elif BETA_MODE == 1:
         b_beta = tl.load(beta + gate).to(tl.float32)
     else:
-        b_beta = sigmoid(tl.load(b + gate).to(tl.float32))
+        b_beta = sigmoid(tl.load(b + gate_ab).to(tl.float32))
     return b_q * scale, b_k, b_g, b_beta
 
 
@@ -275,9 +278,10 @@ def decode_kernel(
     GATE_RAW: tl.constexpr, BETA_MODE: tl.constexpr, L2NORM: tl.constexpr, READ_MODE: tl.constexpr,
     IDX_2D: tl.constexpr, SPEC: tl.constexpr, WRITE_MODE: tl.constexpr, K_LAST: tl.constexpr,
     TILES: tl.constexpr, STAGES: tl.constexpr, STORE_CACHE: tl.constexpr,
-    out_idx=None, s_oidx=0, OUT_IDX: tl.constexpr = False,
+    out_idx=None, s_oidx=0, OUT_IDX: tl.constexpr = False, s_ab=0,
 ):
-    """Single-token decode (T = 1, N = B sequences). Program = (sequence, value head, TILES consecutive tiles of BV
+    """Single-token decode (T = 1, N = B sequences). The raw gates a / b are read at ``n * s_ab + hv`` (``s_ab``:
+    their sequence stride; both share it). Program = (sequence, value head, TILES consecutive tiles of BV
     value columns; the host makes TILES divide the head's tiles). TILES == 1: straight-line code, the state load
     issued before the per-head inputs (q, k, their norms, gates) are computed. TILES > 1: the per-head inputs once,
     then a loop over the tiles software-pipelined ``STAGES`` deep (the next tiles' state loads go to shared memory
@@ -311,12 +315,12 @@ def decode_kernel(
     if TILES == 1:  # the state load is issued first, the per-head inputs are computed while it is in flight
         b_s, b_v = _decode_load(p_in, v, i_n, i_hv, v0, valid, s_vb, s_vh, K, V, BK, BV, READ_MODE, K_LAST)
         b_q, b_k, b_g, b_beta = _step_inputs(p_q, p_k, i_n * HV + i_hv, g, beta, a, b, b_A, b_dtb, scale, o_k < K,
-                                             GATE_RAW, BETA_MODE, L2NORM)
+                                             GATE_RAW, BETA_MODE, L2NORM, i_n * s_ab + i_hv)
         _decode_finish(b_s, b_v, p_out, o, b_q, b_k, b_g, b_beta, i_n, i_hv, v0, valid, ok_out, HV, K, V, BK, BV,
                        WRITE_MODE, K_LAST, STORE_CACHE)
     else:
         b_q, b_k, b_g, b_beta = _step_inputs(p_q, p_k, i_n * HV + i_hv, g, beta, a, b, b_A, b_dtb, scale, o_k < K,
-                                             GATE_RAW, BETA_MODE, L2NORM)
+                                             GATE_RAW, BETA_MODE, L2NORM, i_n * s_ab + i_hv)
         for j in tl.range(0, TILES, num_stages=STAGES):
             b_s, b_v = _decode_load(p_in, v, i_n, i_hv, v0 + j * BV, valid, s_vb, s_vh, K, V, BK, BV, READ_MODE,
                                     K_LAST)
@@ -335,10 +339,11 @@ def _recurrent_config(N: int, HV: int, K: int, V: int, device=None) -> tuple:
     return BV, warps, stages
 
 
-def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int, device=None) -> tuple:
+def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int, device=None, k_last: bool = True) -> tuple:
     """(BV, num_warps, num_stages, tiles per program, maxnreg, store cache modifier) of :func:`decode_kernel`: the
-    ``decode`` tuning table (:mod:`gdn.kernels.tuning`; shape class by N * HV and the state's bytes per element), BV
-    capped by V and the register budget, tiles a divisor of the V tiles."""
+    ``decode`` tuning table (:mod:`gdn.kernels.tuning`; shape class by N * HV, the state's bytes per element and its
+    layout: ``v_last`` classes end in ``_vlast``), BV capped by V and the register budget, tiles a divisor of the V
+    tiles."""
     nhv = N * HV
     if nhv < 2048:
         shape_class = "few_heads"
@@ -348,7 +353,7 @@ def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int, device=Non
         shape_class = "half_state"
     else:
         shape_class = "half_state_many"
-    row = tuning.lookup("decode", device, shape_class)
+    row = tuning.lookup("decode", device, shape_class if k_last else shape_class + "_vlast")
     BV, warps, stages, tiles = row.BV, row.warps, row.stages, row.tiles
     BV = min(BV, next_pow2(V))
     while BV > 8 and BV * next_pow2(K) > 128 * 128:
@@ -381,6 +386,12 @@ def _out_idx_args(out_idx) -> dict:
     return dict(out_idx=out_idx, s_oidx=out_idx.stride(0) if out_idx.dim() == 2 else 1, OUT_IDX=True)
 
 
+def _raw_gate_stride(a, b, HV: int) -> int:
+    """Sequence stride of the raw gates a / b (they share their strides; HV when neither is given)."""
+    x = a if a is not None else b
+    return HV if x is None else x.stride(0)
+
+
 def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted, read_mode,
             write_mode, l2norm, k_last, N, out_idx=None):
     st = state_in if state_in is not None else state_out
@@ -388,7 +399,7 @@ def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_ou
     HV, V = v.shape[2], v.shape[3]
     BV, warps, stages, tiles, maxnreg, store_cache = _decode_config(N, HV, K, V,
                                                                     st.element_size() if st is not None else 4,
-                                                                    q.device)
+                                                                    q.device, k_last)
     kw = dict(num_warps=warps, num_stages=stages)
     if maxnreg:
         kw["maxnreg"] = maxnreg
@@ -399,7 +410,7 @@ def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_ou
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), s_idx,
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, L2NORM=bool(l2norm), READ_MODE=read_mode, WRITE_MODE=write_mode,
         K_LAST=bool(k_last), TILES=tiles, STAGES=stages, STORE_CACHE=store_cache, **modes, **_out_idx_args(out_idx),
-        **kw)
+        s_ab=_raw_gate_stride(a, b, HV), **kw)
     return o
 
 
@@ -425,6 +436,8 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
     elif cu_seqlens is None and seqlen == 1:
         return _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_out, idx, num_accepted,
                        read_mode, write_mode, l2norm, k_last, N, out_idx)
+    a = a if a is None else a.contiguous()   # the multi-token kernel reads gates at (token, head) of [B, T, HV]
+    b = b if b is None else b.contiguous()
     BV, warps, stages = _recurrent_config(N, HV, K, V, q.device)
     if parent is not None:  # no software pipelining: a parent's state is read back after this program stored it
         stages = 1

@@ -49,13 +49,16 @@ class ChunkForward:
     state_sm90_BV: int = 0
     state_sm90_stages: int = 2
     state_sm90_step_cost: float = 0.6
-    # output kernel; output_heads (value heads per program sharing q, k, q k^T; 0 = all HV / H) is pending GPU A/B
+    # output kernel; output_heads: value heads per program sharing q, k, q k^T (0 = all HV / H). H200 A/B
+    # (gdn profile --forward, 5 target shapes): heads 0 + BV 128 cut the output kernel 22-41% (1x8192 16/32 176 ->
+    # 123 us) by reading q / k once per q/k head instead of once per (value head, V tile); output_BV is halved for
+    # operands whose [K, BV] h tile would pass 64 KB (fp32 with K = 256)
     output_BK: int = 128
-    output_BV: int = 64
+    output_BV: int = 128
     output_warps: int = 4
     output_stages: int = 1
     output_maxnreg: int = 0
-    output_heads: int = 1
+    output_heads: int = 0
     # merge kernel of the segmented state pass
     merge_BK: int = 64
     merge_BV: int = 64
@@ -142,6 +145,13 @@ TABLES: Dict[str, dict] = {
         ("default", "fp32_state"): Decode(8, 2, 1, 1),         # fp32 state: 8 columns, straight-line
         ("default", "half_state"): Decode(32, 2, 3, 4),        # 16-bit state, N * HV < 8192: tiles 3-deep pipelined
         ("default", "half_state_many"): Decode(16, 2, 4, 4),   # 16-bit state, more heads: two programs per head
+        # v_last ([K, V] rows: a BV-column tile reads K row pieces of BV elements, so narrow tiles read short pieces;
+        # bench/decode_tiles.py, H200, bench/results/decode_tiles_vlast_h200.json): fp32 N=256 422 -> 271 us (60.6
+        # -> 94.2% of copy), N=2048 3382 -> 2131 (96.0%); bf16 N=128 102 -> 89.5 us (71.8%), N=512 438 -> 333 (77.2%)
+        ("default", "few_heads_vlast"): Decode(8, 1, 1, 1),    # not swept
+        ("default", "fp32_state_vlast"): Decode(64, 4, 1, 1),
+        ("default", "half_state_vlast"): Decode(64, 2, 3, 4),
+        ("default", "half_state_many_vlast"): Decode(64, 2, 3, 4),
     },
     "recurrent": {
         ("default", "few_heads"): Recurrent(8, 1, 1),          # N * HV < 2048: one-warp 8-column programs

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from .. import reference as ref
+from ..backend import use_triton
 from .cache import GDNCache, GDNCacheBatch
 from .norm import GatedRMSNorm
 
@@ -201,7 +202,19 @@ class GatedDeltaNet(nn.Module):
             mixed, z = torch.split(F.linear(x, wq.index_select(0, pq)), [self.conv_dim, HV * V], dim=-1)
             b, a = torch.split(F.linear(x, wba.index_select(0, pba)), [HV, HV], dim=-1)
             return mixed, z.unflatten(-1, (HV, V)), b, a
-        if self.projection == "qwen3_next":
+        if self.projection == "qwen3_next" and dtype is None:
+            # few tokens: the activations are put into Q|K|V|Z (and B|A) order: by one unpacking kernel without
+            # autograd (decode steps), else by one index_select each (outputs are views; b, a strided)
+            qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+            if not (torch.is_grad_enabled() and (qkvz.requires_grad or ba.requires_grad)) and use_triton(x.device):
+                from ..kernels.unpack import unpack_qkvz_ba
+
+                return unpack_qkvz_ba(qkvz, ba, H, HV, K, V)
+            pq, pba = self._packed_row_order(x.device)
+            mixed, z = torch.split(qkvz.index_select(-1, pq), [self.conv_dim, HV * V], dim=-1)
+            b, a = torch.split(ba.index_select(-1, pba), [HV, HV], dim=-1)
+            return mixed, z.unflatten(-1, (HV, V)), b, a
+        if self.projection == "qwen3_next":   # the oracle's plain unpacking (float64)
             qkvz = lin(self.in_proj_qkvz).view(B, T, H, 2 * K + 2 * r * V)
             q, k, v, z = torch.split(qkvz, [K, K, r * V, r * V], dim=-1)
             mixed = torch.cat([q.reshape(B, T, H * K), k.reshape(B, T, H * K), v.reshape(B, T, HV * V)], dim=-1)

@@ -233,6 +233,16 @@ def _(*args):
     return None
 
 
+def _raw_gates_rowwise(a, b) -> bool:
+    """Raw gates the kernels read in place: both absent / contiguous, or [B, T, HV] views with a contiguous last dim
+    and equal strides (the decode kernel reads row n at ``n * stride(0)``; the multi-token launcher makes them
+    contiguous itself)."""
+    given = [x for x in (a, b) if x is not None]
+    if not given or all(x.is_contiguous() for x in given):
+        return True
+    return given[0].stride(-1) == 1 and all(x.stride() == given[0].stride() for x in given)
+
+
 def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None, a=None, dt_bias=None, b=None,
                   initial_state=None, ssm_state_indices=None, num_accepted_tokens=None, cu_seqlens=None,
                   l2norm=False, out: Optional[torch.Tensor] = None, cache: Optional[torch.Tensor] = None,
@@ -261,7 +271,9 @@ def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None
         if output_state_indices is not None and output_state_indices.dim() == 1:
             output_state_indices = output_state_indices.contiguous()
         inplace = plan.write_mode in (WRITE_SAME_ROW, WRITE_PER_TOKEN)
-        args = (q, k, v, o, contig(g), contig(beta), contig(A_log), contig(a), contig(dt_bias), contig(b),
+        if not _raw_gates_rowwise(a, b):
+            a, b = contig(a), contig(b)
+        args = (q, k, v, o, contig(g), contig(beta), contig(A_log), a, contig(dt_bias), b,
                 None if inplace else state_in, final, ssm_state_indices, num_accepted_tokens, cu_seqlens,
                 plan.scale, plan.read_mode, plan.write_mode, bool(l2norm), plan.state_layout == "k_last", plan.T,
                 plan.N, cache, cache_idx, parent, output_state_indices)

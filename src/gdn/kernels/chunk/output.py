@@ -126,6 +126,8 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
         return o
     dt = _dot_dtype(q, k, v_new)
     BV = min(int(cfg.output_BV), _pow2(V))
+    while BV > 32 and _pow2(K) * BV * dt.itemsize > 64 * 1024:
+        BV //= 2   # the h tile [K, BV] and the q / k tiles stay within shared memory (fp32 operands, K = 256)
     l2 = bool(use_qk_l2norm_in_kernel)
     if l2:
         rq = l2_rnorm(q) if rq is None else rq
