@@ -21,11 +21,13 @@ def _chunk_output_kernel(
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HPP: tl.constexpr,
-    USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_IDX: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    USE_L2: tl.constexpr, RQ_INLINE: tl.constexpr, RQ_PIECE: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_IDX: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """o[chunk, V tile] = scale * (diag(exp(g) r_q) (q @ h) + ((q k^T) * r_q r_k^T * Gamma, causal) @ v_new), with
     the K dimension in BK tiles; the L2 row scalings r_q, r_k come from ``rq_in`` / ``rk_in`` [B, T, H] fp32 and are
-    applied after the products. One program handles HPP consecutive value heads (HPP divides HV / H, so they share
+    applied after the products. RQ_INLINE (one K tile, BK >= K): r_q = rsqrt(sum q^2 + 1e-6) is computed here from
+    the q tile instead (as :func:`l2_rnorm` does; no separate launch). One program handles HPP consecutive value heads (HPP divides HV / H, so they share
     one q/k head): q k^T is computed once for them."""
     i_v = tl.program_id(0)
     i_t = tl.program_id(1)
@@ -51,6 +53,12 @@ def _chunk_output_kernel(
         q_base = q + i_b * s_qb + i_h * s_qh + rows[:, None] * s_qt
         k_base = k + i_b * s_kb + i_h * s_kh + rows[:, None] * s_kt
         h_chunk = (tl.load(chunk_offsets + n).to(tl.int64) + c) * HV
+        if RQ_INLINE:   # sum of squares of q's rows, in RQ_PIECE-column pieces (few registers; L1 hits later)
+            ssq = tl.zeros([64], tl.float32)
+            for p0 in tl.static_range(0, BK, RQ_PIECE):
+                op = p0 + tl.arange(0, RQ_PIECE)
+                qf = tl.load(q_base + op[None, :], mask=m[:, None] & (op < K)[None, :], other=0.0).to(tl.float32)
+                ssq += tl.sum(qf * qf, axis=1)
         # first K tile of q kept for every value head of the program (the only one when BK >= K)
         ok0 = tl.arange(0, BK)
         m_q0 = m[:, None] & (ok0 < K)[None, :]
@@ -62,7 +70,10 @@ def _chunk_output_kernel(
             b_q = _rn(tl.load(q_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
             b_k = _rn(tl.load(k_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
             qk += _dot(b_q, tl.trans(b_k), PREC)
-        if USE_L2:
+        if RQ_INLINE:
+            rq = tl.where(m, tl.rsqrt(ssq + 1e-6), 0.0) * scale
+            rk = tl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
+        elif USE_L2:
             rq = tl.load(rq_in + (tok0 + rows) * H + i_h, mask=m, other=0.0) * scale
             rk = tl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
         else:
@@ -112,7 +123,8 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
     """o = scale * ((exp(g_cum) q_hat) @ h + ((q_hat k_hat^T) * Gamma, causal) @ v_new), [B, T, HV, V].
 
     q, k [B, T, H, K] raw (strided ok); v_new [B, T, HV, V]; h [NT, HV, K, V] (start state of every chunk);
-    g_cum [B, T, HV] fp32. With ``state_indices`` ([N], pool of ``pool_size`` rows), sequences whose index is
+    g_cum [B, T, HV] fp32. ``rq`` / ``rk``: the L2 row scalings of q / k (fp32 [B, T, H]); a missing ``rq`` is
+    computed inside the kernel when one K tile covers K, else by :func:`l2_rnorm`. With ``state_indices`` ([N], pool of ``pool_size`` rows), sequences whose index is
     negative / out of range get zeros.
     """
     _check_chunk_size(chunk_size)
@@ -129,8 +141,10 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
     while BV > 32 and _pow2(K) * BV * dt.itemsize > 64 * 1024:
         BV //= 2   # the h tile [K, BV] and the q / k tiles stay within shared memory (fp32 operands, K = 256)
     l2 = bool(use_qk_l2norm_in_kernel)
+    BK = min(int(cfg.output_BK), _pow2(K))
+    rq_inline = l2 and rq is None and BK >= K
     if l2:
-        rq = l2_rnorm(q) if rq is None else rq
+        rq = g_cum if rq_inline else (l2_rnorm(q) if rq is None else rq)
         rk = l2_rnorm(k) if rk is None else rk
     else:
         rq = rk = g_cum
@@ -139,8 +153,8 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
         q, k, v_new, h, g_cum, rq, rk, o, ci.chunk_indices, ci.chunk_offsets, _cu_arg(cu_seqlens, ci.chunk_offsets),
         state_indices if state_indices is not None else ci.chunk_offsets, T, pool_size, float(scale),
         *_strides3(q), *_strides3(k), *_strides3(o),
-        H=H, HV=HV, K=K, V=V, BK=min(int(cfg.output_BK), _pow2(K)), BV=BV, HPP=hpp,
-        USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen, HAS_IDX=state_indices is not None,
+        H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HPP=hpp,
+        USE_L2=l2, RQ_INLINE=rq_inline, RQ_PIECE=min(32, BK), IS_VARLEN=ci.is_varlen, HAS_IDX=state_indices is not None,
         DT=_TL[dt], PREC=cfg.fp32_dot_precision,
         num_warps=int(cfg.output_warps), num_stages=int(cfg.output_stages),
         maxnreg=cfg.output_maxnreg,

@@ -129,8 +129,9 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     h_dtype = h.dtype if h is not None else (torch.float32 if tuning.chunk_fwd(dev).h_dtype == "fp32"
                                                         else w.dtype)
 
-    if l2 and (rq is None or rk is None):
-        rq, rk = l2_rnorm(q), l2_rnorm(k)
+    if l2:
+        rq = l2_rnorm(q) if rq is None else rq
+        rk = l2_rnorm(k) if rk is None else rk
 
     def state_pass():
         return chunk_state_pass(k, w, u, g_cum, initial_state, False, cu_seqlens, C, l2, h_dtype=h_dtype,
