@@ -108,7 +108,7 @@ def layer_decode(N: int, state_dtype: str = "fp32", layout: str = "v_last", hidd
     import json
 
     from gdn.benchmark.cases import Case, cost
-    from gdn.benchmark.timing import measure_copy_GBps
+    from gdn.benchmark.timing import CudaTimer, measure_copy_GBps
     from gdn.layers import GDNCache, GatedDeltaNet
 
     dev = torch.device("cuda")
@@ -128,33 +128,18 @@ def layer_decode(N: int, state_dtype: str = "fp32", layout: str = "v_last", hidd
 
     ks = kernel_times(step, iters)
     total = sum(r[1] for r in ks)
-    s = torch.cuda.Stream()
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(iters):
-        graph.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    replay_us = e0.elapsed_time(e1) * 1000 / iters
+    timing = CudaTimer(dev).time(lambda i: step(), graph=True)   # CUDA-graph replay (mode says if it fell back)
+    replay_us = timing.median_ms * 1000
     case = Case(op="layer_decode", model="qwen3next-tp1", batch=N, seqlen=1, H=H, HV=HV, K=128, V=128,
                 state_dtype=state_dtype, hidden=hidden)
     nbytes = cost(case)["bytes"]
     gbps = measure_copy_GBps(dev)
     frac = nbytes / (replay_us * 1e-6) / (gbps * 1e9)
-    print_fn(f"\n== layer_decode N={N} {state_dtype} {layout}: graph replay {replay_us:.1f} us, sum of kernels "
+    print_fn(f"\n== layer_decode N={N} {state_dtype} {layout}: {timing.mode} {replay_us:.1f} us, sum of kernels "
              f"{total:.1f} us, {nbytes / 1e6:.1f} MB -> {frac:.1%} of copy ({gbps:.0f} GB/s)")
     for n, t, c in ks:
         print_fn(f"  {t:9.1f} us  x{c:4.1f}  {n}")
-    row = dict(op="layer_decode", N=N, state_dtype=state_dtype, layout=layout, replay_us=replay_us, total_us=total,
+    row = dict(op="layer_decode", N=N, state_dtype=state_dtype, layout=layout, replay_us=replay_us, mode=timing.mode, total_us=total,
                bytes=nbytes, copy_GBps=gbps, frac_of_copy_bw=frac,
                kernels=[dict(name=n, us=t, calls=c) for n, t, c in ks])
     if out:

@@ -514,10 +514,8 @@ def _conv_update(x, weight, bias, activation: bool, y, conv_state, state_indices
     UPDATE_BD channels and UPDATE_WARPS warps per program on the GPU (one [BD, 4] window tile)."""
     N, _, D = x.shape
     W = weight.shape[1]
-    if x.device.type == "cuda":
-        BD, warps = min(UPDATE_BD, triton.next_power_of_2(D)), UPDATE_WARPS
-    else:
-        BD, warps = min(128, triton.next_power_of_2(D)), 1
+    BD = min(UPDATE_BD, triton.next_power_of_2(D))
+    warps = UPDATE_WARPS if x.device.type == "cuda" else 1
     ss = conv_state.stride()
     causal_conv1d_update_kernel[(N, triton.cdiv(D, BD))](
         x, weight, bias if bias is not None else x, y, conv_state,

@@ -146,8 +146,9 @@ TABLES: Dict[str, dict] = {
         ("default", "half_state"): Decode(32, 2, 3, 4),        # 16-bit state, N * HV < 8192: tiles 3-deep pipelined
         ("default", "half_state_many"): Decode(16, 2, 4, 4),   # 16-bit state, more heads: two programs per head
         # v_last ([K, V] rows: a BV-column tile reads K row pieces of BV elements, so narrow tiles read short pieces;
-        # bench/decode_tiles.py, H200, bench/results/decode_tiles_vlast_h200.json): fp32 N=256 422 -> 271 us (60.6
-        # -> 94.2% of copy), N=2048 3382 -> 2131 (96.0%); bf16 N=128 102 -> 89.5 us (71.8%), N=512 438 -> 333 (77.2%)
+        # H200 sweep of BV x warps x stages x tiles, bench/results/decode_tiles_vlast_h200.json): fp32 N=256 422 ->
+        # 271 us (60.6 -> 94.2% of copy), N=2048 3382 -> 2131 (96.0%); bf16 N=128 102 -> 89.5 us (71.8%), N=512 438 ->
+        # 333 (77.2%). A candidate row is timed with GDN_TUNE=decode.BV=..,decode.warps=.. gdn profile --layer-decode
         ("default", "few_heads_vlast"): Decode(8, 1, 1, 1),    # not swept
         ("default", "fp32_state_vlast"): Decode(64, 4, 1, 1),
         ("default", "half_state_vlast"): Decode(64, 2, 3, 4),

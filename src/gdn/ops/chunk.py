@@ -168,14 +168,14 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         from gdn.kernels import tuning
         from gdn.kernels.chunk.forward import chunk_gated_delta_rule_fwd
 
-        # Ainv (tensor-core dtype, [B, T, HV, 64]), the chunk-local gate cumsum and the L2 row scalings are kept for
+        # Ainv (tensor-core dtype, [B, T, HV, 64]), the chunk-local gate cumsum and k's L2 row scalings are kept for
         # the backward (as fla keeps A): it then recomputes only W / U and the chunk states, not the solve; with
         # the tuning field chunk_fwd.bwd_save_states the chunk states h and v_new are kept too (memory for time)
         o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                 cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, state_layout="v_last",
                                                 store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu)
         keep = tuning.chunk_fwd(q.device).bwd_save_states and aux["h"] is not None
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, aux["g_cum"], aux["ainv"], aux["rq"],
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, aux["g_cum"], aux["ainv"],
                               aux["rk"], aux["h"] if keep else None, aux["v_new"] if keep else None)
         ctx.scale = scale
         ctx.chunk_size = chunk_size
@@ -191,12 +191,12 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         except ImportError as e:  # pragma: no cover - until the backward kernels land
             raise NotImplementedError("chunk_gated_delta_rule backward kernels (gdn.kernels.chunk.backward) are not "
                                       "available") from e
-        q, k, v, g, beta, h0, cu_seqlens, g_cum, ainv, rq, rk, h, v_new = ctx.saved_tensors
+        q, k, v, g, beta, h0, cu_seqlens, g_cum, ainv, rk, h, v_new = ctx.saved_tensors
         if do is None:
             do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, cu_seqlens,
                                                                 ctx.chunk_size, ctx.l2, do, dht, g_cum=g_cum,
-                                                                ainv=ainv, rq=rq, rk=rk, h=h, v_new=v_new,
+                                                                ainv=ainv, rk=rk, h=h, v_new=v_new,
                                                                 chunk_index=ctx.chunk_index)
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None
 

@@ -37,8 +37,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     ``initial_state``/``final_state``/``state_indices``/``final_indices``/``checkpoint_indices``/``checkpoint_every``
     as in :func:`chunk_state_pass`; aux holds the intermediates
     (g_cum, Ainv when ``store_ainv`` (tensor-core dtype, fp32 with the tuning field ``chunk_fwd.ainv_dtype`` = "fp32"), h, v_new,
-    chunk_index, rk (the L2 row scalings of k, fp32 [B, T, H], None without the L2 norm), rq (None: the output
-    kernel computes q's row scalings in-kernel)).
+    chunk_index, rk (the L2 row scalings of k, fp32 [B, T, H], None without the L2 norm; q's are computed inside the
+    output kernel and again by the backward)).
     ``cu_seqlens_cpu``: host copy of cu_seqlens (nothing read back from the device; :func:`prepare_chunk_indices`)."""
     _check_chunk_size(chunk_size)
     B, T, H, K = q.shape
@@ -49,7 +49,6 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     a_dtype = torch.float32 if cfg.ainv_dtype == "fp32" else dt
     l2 = bool(use_qk_l2norm_in_kernel)
     rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
-    rq = None   # the output kernel computes q's L2 row scalings itself (the backward recomputes them)
     g_cum, ainv, w, u = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                                           store_ainv=store_ainv or from_ainv, store_wu=not from_ainv,
                                           chunk_index=ci, ainv_dtype=a_dtype, rk=rk)
@@ -64,8 +63,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                     checkpoint_every=checkpoint_every)
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     o = chunk_output(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
-                     out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rq=rq, rk=rk)
-    return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rq=rq, rk=rk)
+                     out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rk=rk)
+    return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk)
 
 
 __all__ = ["chunk_gated_delta_rule_fwd"]

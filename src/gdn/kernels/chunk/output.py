@@ -21,14 +21,14 @@ def _chunk_output_kernel(
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HPP: tl.constexpr,
-    USE_L2: tl.constexpr, RQ_INLINE: tl.constexpr, RQ_PIECE: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_IDX: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr,
+    USE_L2: tl.constexpr, RQ_INLINE: tl.constexpr, RQ_PIECE: tl.constexpr, IS_VARLEN: tl.constexpr,
+    HAS_IDX: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
 ):
     """o[chunk, V tile] = scale * (diag(exp(g) r_q) (q @ h) + ((q k^T) * r_q r_k^T * Gamma, causal) @ v_new), with
     the K dimension in BK tiles; the L2 row scalings r_q, r_k come from ``rq_in`` / ``rk_in`` [B, T, H] fp32 and are
     applied after the products. RQ_INLINE (one K tile, BK >= K): r_q = rsqrt(sum q^2 + 1e-6) is computed here from
-    the q tile instead (as :func:`l2_rnorm` does; no separate launch). One program handles HPP consecutive value heads (HPP divides HV / H, so they share
-    one q/k head): q k^T is computed once for them."""
+    the q tile instead (as :func:`l2_rnorm` does; no separate launch). One program handles HPP consecutive value
+    heads (HPP divides HV / H, so they share one q/k head): q k^T is computed once for them."""
     i_v = tl.program_id(0)
     i_t = tl.program_id(1)
     i_g = tl.program_id(2)
@@ -70,11 +70,11 @@ def _chunk_output_kernel(
             b_q = _rn(tl.load(q_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
             b_k = _rn(tl.load(k_base + ok[None, :], mask=m[:, None] & mk[None, :], other=0.0), DT)
             qk += _dot(b_q, tl.trans(b_k), PREC)
-        if RQ_INLINE:
-            rq = tl.where(m, tl.rsqrt(ssq + 1e-6), 0.0) * scale
-            rk = tl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
-        elif USE_L2:
-            rq = tl.load(rq_in + (tok0 + rows) * H + i_h, mask=m, other=0.0) * scale
+        if USE_L2:
+            if RQ_INLINE:
+                rq = tl.where(m, tl.rsqrt(ssq + 1e-6), 0.0) * scale
+            else:
+                rq = tl.load(rq_in + (tok0 + rows) * H + i_h, mask=m, other=0.0) * scale
             rk = tl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
         else:
             rq = tl.full([64], 1.0, tl.float32) * scale
@@ -124,8 +124,8 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
 
     q, k [B, T, H, K] raw (strided ok); v_new [B, T, HV, V]; h [NT, HV, K, V] (start state of every chunk);
     g_cum [B, T, HV] fp32. ``rq`` / ``rk``: the L2 row scalings of q / k (fp32 [B, T, H]); a missing ``rq`` is
-    computed inside the kernel when one K tile covers K, else by :func:`l2_rnorm`. With ``state_indices`` ([N], pool of ``pool_size`` rows), sequences whose index is
-    negative / out of range get zeros.
+    computed inside the kernel when one K tile covers K, else by :func:`l2_rnorm`. With ``state_indices`` ([N], pool
+    of ``pool_size`` rows), sequences whose index is negative / out of range get zeros.
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = q.shape
@@ -154,7 +154,8 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
         state_indices if state_indices is not None else ci.chunk_offsets, T, pool_size, float(scale),
         *_strides3(q), *_strides3(k), *_strides3(o),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, HPP=hpp,
-        USE_L2=l2, RQ_INLINE=rq_inline, RQ_PIECE=min(32, BK), IS_VARLEN=ci.is_varlen, HAS_IDX=state_indices is not None,
+        USE_L2=l2, RQ_INLINE=rq_inline, RQ_PIECE=min(32, BK), IS_VARLEN=ci.is_varlen,
+        HAS_IDX=state_indices is not None,
         DT=_TL[dt], PREC=cfg.fp32_dot_precision,
         num_warps=int(cfg.output_warps), num_stages=int(cfg.output_stages),
         maxnreg=cfg.output_maxnreg,
