@@ -223,12 +223,11 @@ def test_kernels_fp32(H, HV, K, V, C, l2):
     _compare(mine, ref, TOL32)
 
 
-@pytest.mark.parametrize("bv,dvl_heads", [("32", "1"), ("64", "1"), ("32", "0")])
-def test_kernels_v_tiles(monkeypatch, bv, dvl_heads):
+@pytest.mark.parametrize("bv", ["32", "64"])
+def test_kernels_v_tiles(monkeypatch, bv):
     """V = 80 and K = 24 (not powers of two): the parallel kernels loop over V tiles (the last one partial), the
-    reverse pass runs several V blocks; every masked edge is exercised. dvl_heads 0: dv_local for both value heads of
-    the q/k head in one program."""
-    monkeypatch.setenv("GDN_TUNE", f"chunk_bwd.BV={bv},chunk_bwd.dh_BV={bv},chunk_bwd.dvl_heads={dvl_heads}")
+    reverse pass runs several V blocks; every masked edge is exercised."""
+    monkeypatch.setenv("GDN_TUNE", f"chunk_bwd.BV={bv},chunk_bwd.dh_BV={bv}")
     x, h0, do, dht = _inputs(1, 37, 1, 2, 24, 80)
     scale = 24 ** -0.5
     mine = _kernel_bwd(x.q, x.k, x.v, x.g, x.beta, scale, h0, None, 16, True, do, dht)
@@ -323,11 +322,8 @@ def test_full_bwd_fp32(H, HV, l2, h0, dht):
             assert a.dtype == (torch.float32 if name == "dh0" else t.dtype), name
 
 
-@pytest.mark.parametrize("dvl_heads", ["1", "0"])
-def test_full_bwd_varlen_ragged(monkeypatch, dvl_heads):
-    """Sequence lengths 0, 1, chunk - 1, chunk + 1 and 2 chunks + 7 in one varlen batch, GVA 2 (dv_local per value
-    head, and per q/k head)."""
-    monkeypatch.setenv("GDN_TUNE", f"chunk_bwd.dvl_heads={dvl_heads}")
+def test_full_bwd_varlen_ragged():
+    """Sequence lengths 0, 1, chunk - 1, chunk + 1 and 2 chunks + 7 in one varlen batch, GVA 2."""
     lens = [0, 1, 63, 65, 135]
     cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     T = int(cu[-1])

@@ -285,7 +285,7 @@ def test_tune_env_var_forces(monkeypatch):
                                        ("chunk_fwd.state_bv=16", "unknown key"),
                                        ("chunk_fwd.state_BV=wide", "expected int"),
                                        ("chunk_fwd.state_split_h=maybe", "expected bool"),
-                                       ("chunk_bwd.dvl_heads=-1", "dvl_heads")])
+                                       ("chunk_fwd.output_heads=-1", "output_heads")])
 def test_tune_env_var_errors(monkeypatch, raw, match):
     """A bad GDN_TUNE raises ValueError naming the variable and the item before any kernel runs."""
     from gdn.kernels import tuning
@@ -478,17 +478,16 @@ def test_output_kernel_value_heads_per_program(heads, BK, BV):
 
 def test_heads_per_program_settings_are_checked(monkeypatch):
     from gdn.kernels import tuning
-    from gdn.kernels.chunk.backward.dv_local import _dv_local_heads
     from gdn.kernels.chunk.output import _output_heads
 
     with pytest.raises(ValueError, match="output_heads"):
         with tuning.override("chunk_fwd", output_heads=-1):
             _output_heads(1, 4)
-    monkeypatch.setenv("GDN_TUNE", "chunk_bwd.dvl_heads=-2")
-    with pytest.raises(ValueError, match="GDN_TUNE.*dvl_heads"):
-        _dv_local_heads(1, 4)
-    monkeypatch.setenv("GDN_TUNE", "chunk_bwd.dvl_heads=3")
-    assert _dv_local_heads(1, 4) == 2 and _dv_local_heads(2, 12) == 3
+    monkeypatch.setenv("GDN_TUNE", "chunk_fwd.output_heads=-2")
+    with pytest.raises(ValueError, match="GDN_TUNE.*output_heads"):
+        _output_heads(1, 4)
+    monkeypatch.setenv("GDN_TUNE", "chunk_fwd.output_heads=3")
+    assert _output_heads(1, 4) == 2 and _output_heads(2, 12) == 3
 
 
 def test_solve_correlated_keys_and_rnorm():

@@ -95,8 +95,6 @@ class ChunkBackward:
     dh_BV: int = 0
     dh_warps: int = 4
     dh_stages: int = 1
-    # value heads per dv_local program (1, or 0 = every value head of a q/k head); pending GPU A/B
-    dvl_heads: int = 1
     # V tile of the parallel kernels (dv_local, parts A and B)
     BV: int = 64
     # parts A and B: 4 warps (Triton puts every warp along M for chained dots; 8 would duplicate)
@@ -228,8 +226,6 @@ def _check(family: str, row, source: str):
                              f"(got BV={bv}, warps={warps}, stages={stages}, tiles={tiles})")
     elif family == "chunk_fwd" and row.output_heads < 0:
         raise ValueError(f"{source}: chunk_fwd.output_heads must be >= 0 (0 = all), got {row.output_heads}")
-    elif family == "chunk_bwd" and row.dvl_heads < 0:
-        raise ValueError(f"{source}: chunk_bwd.dvl_heads must be >= 0 (0 = all), got {row.dvl_heads}")
 
 
 def lookup(family: str, device=None, shape_class: str = ""):

@@ -6,8 +6,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ...common import value_heads_per_program
-from ... import tuning
 from .common import _chunk_gates, _chunk_rows, _v_tile
 
 
@@ -16,22 +14,22 @@ def chunk_bwd_dv_local_kernel(
     q, k, gcum, do, rq, rk, dvl, cu_seqlens, chunk_indices, scale, T,
     s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_ob, s_ot, s_oh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, HPP: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
     VARLEN: tl.constexpr, L2NORM: tl.constexpr, ACC: tl.constexpr, MM: tl.constexpr, PREC: tl.constexpr,
 ):
-    """``dv_local = (K Q^T * Gam^T) dO`` for one chunk and HPP value heads of one q/k head.
+    """``dv_local = (K Q^T * Gam^T) dO`` for one chunk and one value head.
 
     Program -> work: ``program_id(0)`` = global chunk i_t (row of ``chunk_indices`` [NT, 2] = (sequence, chunk)),
-    ``program_id(1)`` = group of HPP consecutive value heads (HPP divides HV / H: one q/k head).
+    ``program_id(1)`` = value head i_hv (of q/k head i_hv // (HV / H)).
 
     1. raw K Q^T [C, C] once (k, q [B, T, H, K] strided, BK = K), scaled by ``scale r_k,i`` (rows), ``r_q,j`` (columns;
        rq / rk [B*T, H] fp32 with the L2 norm);
-    2. per value head: ``(K Q^T)_ij * exp(c_j - c_i)`` for j >= i, else 0 (c = g_cum [B*T, HV] fp32);
+    2. ``(K Q^T)_ij * exp(c_j - c_i)`` for j >= i, else 0 (c = g_cum [B*T, HV] fp32);
     3. per V tile of BV columns: times dO (do [B, T, HV, V] strided) -> ``dvl`` [B*T, HV, V] (dot dtype)."""
     DT = dvl.dtype.element_ty
     i_t = tl.program_id(0)
-    i_g = tl.program_id(1)
-    i_h = (i_g * HPP) // (HV // H)
+    i_hv = tl.program_id(1)
+    i_h = i_hv // (HV // H)
     row, tok, st, m_t, n_valid = _chunk_rows(i_t, cu_seqlens, chunk_indices, T, C, VARLEN)
     o_c = tl.arange(0, C)
     o_k = tl.arange(0, BK)
@@ -46,31 +44,22 @@ def chunk_bwd_dv_local_kernel(
         b_fr = b_fr * tl.load(rk + tok * H + i_h, mask=m_t, other=0.0)
         b_fc = tl.load(rq + tok * H + i_h, mask=m_t, other=0.0)
     b_kq = b_kq * b_fr[:, None] * b_fc[None, :]
-    for j in tl.static_range(HPP):
-        i_hv = i_g * HPP + j
-        b_gc, b_gl = _chunk_gates(gcum, tok, i_hv, m_t, n_valid, HV, C, ACC)
-        b_a = tl.where(upper, b_kq * tl.exp(tl.where(upper, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0)
-        b_a = b_a.to(DT).to(MM)
-        for v0 in tl.static_range(0, V, BV):
-            o_v = v0 + tl.arange(0, BV)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :], mask=m_tv,
-                           other=0.0)
-            b_dv = tl.dot(b_a, b_do.to(DT).to(MM), input_precision=PREC, out_dtype=ACC)
-            tl.store(dvl + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_dv.to(DT), mask=m_tv)
-
-
-def _dv_local_heads(H: int, HV: int, device=None) -> int:
-    """Value heads per dv_local program (``chunk_bwd.dvl_heads``: 1, or 0 = every value head of a q/k head): they
-    share q, k and the raw K Q^T."""
-    return value_heads_per_program(H, HV, int(tuning.chunk_bwd(device).dvl_heads), "chunk_bwd.dvl_heads")
+    b_gc, b_gl = _chunk_gates(gcum, tok, i_hv, m_t, n_valid, HV, C, ACC)
+    b_a = tl.where(upper, b_kq * tl.exp(tl.where(upper, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0)
+    b_a = b_a.to(DT).to(MM)
+    for v0 in tl.static_range(0, V, BV):
+        o_v = v0 + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        b_do = tl.load(do + row * s_ob + st[:, None] * s_ot + i_hv * s_oh + o_v[None, :], mask=m_tv,
+                       other=0.0)
+        b_dv = tl.dot(b_a, b_do.to(DT).to(MM), input_precision=PREC, out_dtype=ACC)
+        tl.store(dvl + (tok[:, None] * HV + i_hv) * V + o_v[None, :], b_dv.to(DT), mask=m_tv)
 
 
 def dv_local(q, k, g_cum, do, rq, rk, dvn, ci, cu_seqlens, scale, T, strides, meta):
     """Launch :func:`chunk_bwd_dv_local_kernel` into ``dvn`` [B, T, HV, V] (``meta``: the constexprs the backward
     kernels share; ``strides``: q, k, do (batch, token, head))."""
-    H, HV, V = meta["H"], meta["HV"], do.shape[3]
-    hpp = _dv_local_heads(H, HV, q.device)
-    chunk_bwd_dv_local_kernel[(ci.NT, HV // hpp)](
+    HV, V = meta["HV"], do.shape[3]
+    chunk_bwd_dv_local_kernel[(ci.NT, HV)](
         q, k, g_cum, do, rq, rk, dvn, cu_seqlens, ci.chunk_indices, scale, T, *strides, V=V,
-        BV=_v_tile(V, q.device), HPP=hpp, num_warps=4, num_stages=2, **meta)
+        BV=_v_tile(V, q.device), num_warps=4, num_stages=2, **meta)
