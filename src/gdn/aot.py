@@ -298,10 +298,42 @@ def compile_hopper_state_pass(BV=64, NS=2, from_ainv=True, dtype=None, **flags):
     return compile_gluon(m._state_pass_sm90_kernel, args, cx)
 
 
+def compile_hopper_fused_pass(BV=32, NS=2, dtype=None, **flags):
+    """The fused Hopper state + output kernel (gdn.kernels.chunk.hopper) for one configuration."""
+    import torch
+    from .kernels.chunk import hopper as m
+
+    dt = dtype or torch.bfloat16
+    B, T, H, HV, K, V = 1, 256, 2, 4, 128, 128
+    q = torch.empty(B, T, H, K, dtype=dt)
+    k = torch.empty(B, T, H, K, dtype=dt)
+    v = torch.empty(B, T, HV, V, dtype=dt)
+    a = torch.empty(B, T, HV, 64, dtype=dt)
+    dn = m._GL_DT[dt]
+    f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
+    args = dict(k_desc=m._desc(m._rows2d(k), (64, K), dn), v_desc=m._desc(m._rows2d(v), (64, BV), dn),
+                a_desc=m._desc(a.reshape(B * T, -1), (64, 64), dn), q_desc=m._desc(m._rows2d(q), (64, K), dn),
+                p_desc=m._desc(a.reshape(B * T, -1), (64, 64), dn), beta=torch.empty(4, dtype=dt), gcum=f32,
+                rk_in=f32, qf=f32, o=torch.empty(4, dtype=dt), h0=f32, ht=f32,
+                h0_idx=i32, ht_idx=i32, o_idx=i32, segments=i32, cu_seqlens=i32, T=T, P0=3, P1=3, PO=3,
+                s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3, s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
+    cx = dict(H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
+              STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True, NS=NS, NH=2, OUT_REGS=160, num_warps=4)
+    cx.update(flags)
+    return compile_gluon(m._chunk_fused_sm90_kernel, args, cx)
+
+
 HOPPER_CONFIGS = [dict(BV=bv, from_ainv=fa, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=idx, HT_INDEXED=idx,
                        STORE_FINAL=not seg)
                   for bv in (32, 64) for fa in (True, False)
                   for (init, vl, seg, idx) in ((1, True, False, True), (0, False, False, False), (1, True, True, False))]
+
+
+FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=idx, HT_INDEXED=idx, O_INDEXED=idx,
+                      STORE_FINAL=not seg, USE_L2=l2)
+                 for bv in (32, 64)
+                 for (init, vl, seg, idx, l2) in ((1, True, False, True, True), (0, False, False, False, False),
+                                                  (1, True, True, False, True))]
 
 
 def _compile_hopper() -> int:
@@ -311,17 +343,19 @@ def _compile_hopper() -> int:
         print("gdn.aot: hopper: Gluon not available in this Triton (the portable kernels run instead)", flush=True)
         return 0
     bad = 0
-    for cfg in HOPPER_CONFIGS:
+    builds = [("state pass", compile_hopper_state_pass, c) for c in HOPPER_CONFIGS]
+    builds += [("fused pass", compile_hopper_fused_pass, c) for c in FUSED_CONFIGS]
+    for name, build, cfg in builds:
         try:
-            compile_hopper_state_pass(**cfg)
+            build(**cfg)
         except Exception as e:  # noqa: BLE001 - reported, counted
             bad += 1
             cause = e
             while cause.__cause__ is not None or cause.__context__ is not None:
                 cause = cause.__cause__ or cause.__context__
-            print(f"  FAIL hopper state pass {cfg}: {type(cause).__name__}: {cause}", flush=True)
-    print(f"gdn.aot: hopper: {len(HOPPER_CONFIGS) - bad} of {len(HOPPER_CONFIGS)} state-pass configurations compile",
-          flush=True)
+            print(f"  FAIL hopper {name} {cfg}: {type(cause).__name__}: {cause}", flush=True)
+    total = len(HOPPER_CONFIGS) + len(FUSED_CONFIGS)
+    print(f"gdn.aot: hopper: {total - bad} of {total} state-pass and fused configurations compile", flush=True)
     return 1 if bad else 0
 
 def main(argv=None) -> int:

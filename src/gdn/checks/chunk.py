@@ -136,7 +136,8 @@ def chunk_long_segmented(device):
 @register
 def chunk_sm90_vs_portable(device):
     """Hopper only: the Gluon state pass (gdn.kernels.chunk.hopper) against the portable Triton pass on the same
-    inputs (h per chunk, v_new, final state; pools, k_last, varlen, segments), and the whole op against float64."""
+    inputs (h per chunk, v_new, final state; pools with a padding row, k_last, varlen, segments), and the fused
+    state + output kernel (V tiles 64 and 32: o and the final states) against the same portable run."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
     from ..kernels.chunk import chunk_gated_delta_rule_fwd
@@ -167,6 +168,16 @@ def chunk_sm90_vs_portable(device):
                 Result("chunk", name + " v_new", rel_err(res[1][2], res[0][2]), 4e-3),
                 Result("chunk", name + " o", rel_err(res[1][0], res[0][0]), 4e-3),
                 Result("chunk", name + " final state", rel_err(pools[1], pools[0]), 4e-3)]
+        for bv in (64, 32):
+            pool = pool0.clone()
+            with override("chunk_fwd", state_sm90_BV=bv, segment_chunks=seg):
+                o, _, aux = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, s["K"] ** -0.5, pool, True, cu,
+                                                       use_qk_l2norm_in_kernel=True, state_layout=layout,
+                                                       state_indices=idx, final_state=pool, return_states=False)
+            name = f"sm90 fused BV {bv} vs portable {layout} seg={seg}"
+            out += [Result("chunk", name + " (no h in memory)", 0.0 if aux["h"] is None else float("inf"), 0.0),
+                    Result("chunk", name + " o", rel_err(o, res[0][0]), 4e-3),
+                    Result("chunk", name + " final state", rel_err(pool, pools[0]), 4e-3)]
     return out
 
 

@@ -49,6 +49,9 @@ class ChunkForward:
     state_sm90_BV: int = 0
     state_sm90_stages: int = 2
     state_sm90_step_cost: float = 0.6
+    # sm_90: where the Gluon state pass takes the final pass of an ainv-mode forward that needs no h / v_new, compute
+    # the output in the same kernel (a second warpgroup; hopper._chunk_fused_sm90_kernel) instead of the output kernel
+    state_sm90_fused: bool = True
     # output kernel; output_heads: value heads per program sharing q, k, q k^T (0 = all HV / H). H200 A/B
     # (gdn profile --forward, 5 target shapes): heads 0 + BV 128 cut the output kernel 22-41% (1x8192 16/32 176 ->
     # 123 us) by reading q / k once per q/k head instead of once per (value head, V tile); output_BV is halved for

@@ -174,7 +174,7 @@ def chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_
     from ..kernels.chunk.forward import chunk_gated_delta_rule_fwd
 
     o, ht, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                          chunk_size, l2norm, state_layout="v_last")
+                                          chunk_size, l2norm, state_layout="v_last", return_states=False)
     return o, (ht if ht is not None else q.new_empty((0,), dtype=torch.float32))
 
 
@@ -237,7 +237,7 @@ def chunk_fwd_pool(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, poo
     o, _, _ = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, pool, False, cu_seqlens, chunk_size, l2norm,
                                          state_layout=state_layout, state_indices=state_indices, final_state=pool,
                                          final_indices=output_state_indices, checkpoint_indices=checkpoint_indices,
-                                         checkpoint_every=checkpoint_every)
+                                         checkpoint_every=checkpoint_every, return_states=False)
     return o
 
 

@@ -171,10 +171,11 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         # Ainv (tensor-core dtype, [B, T, HV, 64]), the chunk-local gate cumsum and k's L2 row scalings are kept for
         # the backward (as fla keeps A): it then recomputes only W / U and the chunk states, not the solve; with
         # the tuning field chunk_fwd.bwd_save_states the chunk states h and v_new are kept too (memory for time)
+        keep = bool(tuning.chunk_fwd(q.device).bwd_save_states)
         o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                 cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, state_layout="v_last",
-                                                store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu)
-        keep = tuning.chunk_fwd(q.device).bwd_save_states and aux["h"] is not None
+                                                store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu, return_states=keep)
+        keep = keep and aux["h"] is not None
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, aux["g_cum"], aux["ainv"],
                               aux["rk"], aux["h"] if keep else None, aux["v_new"] if keep else None)
         ctx.scale = scale
@@ -239,13 +240,14 @@ def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
 
     if idx is None:
         o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                cu_seqlens, chunk_size, l2, state_layout=layout, cu_seqlens_cpu=cu_host)
+                                                cu_seqlens, chunk_size, l2, state_layout=layout, cu_seqlens_cpu=cu_host,
+                                                return_states=want_h)
         return (o, ht) + ((aux["h"],) if want_h else ())
     pool = initial_state
     o, _, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, pool, False, cu_seqlens, chunk_size, l2,
                                            state_layout=layout, state_indices=idx, final_state=pool,
                                            cu_seqlens_cpu=cu_host, final_indices=out_idx, checkpoint_indices=ck,
-                                           checkpoint_every=int(every or 0))
+                                           checkpoint_every=int(every or 0), return_states=want_h)
     return (o, (pool if output_final_state else None)) + ((aux["h"],) if want_h else ())
 
 

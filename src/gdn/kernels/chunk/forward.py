@@ -1,4 +1,5 @@
-"""The chunked forward, host side: prepare -> state pass -> output (three launches; four with a segmented state pass).
+"""The chunked forward, host side: prepare -> state pass -> output (three launches; four with a segmented state pass;
+two on Hopper where the state pass computes the output too).
 
 Shapes (``C`` = 64, ``NT`` = chunks over all sequences)::
 
@@ -24,14 +25,14 @@ from .common import CHUNK_SIZE, _check_chunk_size, _dot_dtype, _empty
 from .output import chunk_output
 from .plan import prepare_chunk_indices
 from .prepare import chunk_fwd_prepare
-from .state import chunk_state_pass
+from .state import chunk_state_pass, fused_output_tile
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
                                cu_seqlens=None, chunk_size=CHUNK_SIZE, use_qk_l2norm_in_kernel=False, *,
                                state_layout="v_last", state_indices=None, final_state=None,
                                segment_chunks=None, h_dtype=None, store_ainv=False, cu_seqlens_cpu=None,
-                               final_indices=None, checkpoint_indices=None, checkpoint_every=0):
+                               final_indices=None, checkpoint_indices=None, checkpoint_every=0, return_states=True):
     """The whole forward. Returns ``(o [B, T, HV, V] in v's dtype, final state or None, aux dict)``.
 
     ``initial_state``/``final_state``/``state_indices``/``final_indices``/``checkpoint_indices``/``checkpoint_every``
@@ -39,7 +40,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     (g_cum, Ainv when ``store_ainv`` (tensor-core dtype, fp32 with the tuning field ``chunk_fwd.ainv_dtype`` = "fp32"), h, v_new,
     chunk_index, rk (the L2 row scalings of k, fp32 [B, T, H], None without the L2 norm; q's are computed inside the
     output kernel and again by the backward)).
-    ``cu_seqlens_cpu``: host copy of cu_seqlens (nothing read back from the device; :func:`prepare_chunk_indices`)."""
+    ``cu_seqlens_cpu``: host copy of cu_seqlens (nothing read back from the device; :func:`prepare_chunk_indices`).
+    ``return_states=False``: the caller needs no h / v_new; on Hopper the state pass then computes the output itself
+    (one kernel fewer, no h / v_new in memory) and aux["h"] / aux["v_new"] are None."""
     _check_chunk_size(chunk_size)
     B, T, H, K = q.shape
     ci = prepare_chunk_indices(cu_seqlens, T, chunk_size, B, device=q.device, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -49,19 +52,30 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     a_dtype = torch.float32 if cfg.ainv_dtype == "fp32" else dt
     l2 = bool(use_qk_l2norm_in_kernel)
     rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
-    g_cum, ainv, w, u = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
-                                          store_ainv=store_ainv or from_ainv, store_wu=not from_ainv,
-                                          chunk_index=ci, ainv_dtype=a_dtype, rk=rk)
+    ckpt = checkpoint_indices is not None and checkpoint_indices.shape[1] > 0
+    # Hopper: the output computed by the state pass itself (P and qf from the prepare kernel; no h / v_new in memory)
+    bv_fused = (fused_output_tile(q, k, v, ci, segment_chunks, ckpt)
+                if (not return_states and from_ainv and a_dtype == dt) else 0)
+    prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
+                             store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
+                             ainv_dtype=a_dtype, rk=rk, q=q if bv_fused else None, scale=scale)
+    g_cum, ainv, w, u = prep[:4]
     if h_dtype is None:
         h_dtype = torch.float32 if cfg.h_dtype == "fp32" else dt
+    P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
+    fuse = None
+    if bv_fused:
+        fuse = dict(q=q, p=prep[4], qf=prep[5], o=_empty(B, T, v.shape[2], v.shape[3], device=q.device,
+                                                         dtype=v.dtype), o_idx=state_indices, PO=P, BV=bv_fused)
     h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
                                     use_qk_l2norm_in_kernel, v=v if from_ainv else None,
                                     beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,
                                     h_dtype=h_dtype, state_layout=state_layout, final_state=final_state,
                                     state_indices=state_indices, segment_chunks=segment_chunks, chunk_index=ci,
                                     rk=rk, final_indices=final_indices, checkpoint_indices=checkpoint_indices,
-                                    checkpoint_every=checkpoint_every)
-    P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
+                                    checkpoint_every=checkpoint_every, output=fuse)
+    if fuse is not None:
+        return fuse["o"], ht, dict(g_cum=g_cum, ainv=ainv, h=None, v_new=None, chunk_index=ci, rk=rk)
     o = chunk_output(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                      out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rk=rk)
     return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk)

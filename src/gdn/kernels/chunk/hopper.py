@@ -1,4 +1,8 @@
-"""Hopper (sm_90) form of the chunked forward's sequential state pass (``state.py``), written in Gluon.
+"""Hopper (sm_90) forms of the chunked forward's sequential state pass (``state.py``), written in Gluon: the state
+pass alone (``_state_pass_sm90_kernel``: h per chunk and v_new to memory, for the backward and ``return_states``),
+and the state pass with the output fused in (``_chunk_fused_sm90_kernel``: a second warpgroup computes
+``o = diag(qf) (q @ h_c) + P @ v_new_c`` of chunk c from hand-off slots in shared memory while the first runs chunk
+c + 1; P and qf come from the prepare kernel; no h / v_new in memory).
 
 Same math, inputs and outputs as the portable ``_chunk_state_kernel`` in its default mode (``v_new`` from Ainv,
 no fused output), for one program per (V tile, value head, segment)::
@@ -85,21 +89,8 @@ if G.AVAILABLE:
         return g, b, rk, g_last
 
     @gluon.jit
-    def _state_pass_sm90_kernel(
-        k_desc, v_desc, a_desc, h_desc,
-        beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx, segments, cu_seqlens, chunk_offsets,
-        T, P0, P1, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-        USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
-        H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
-        STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, NS: gl.constexpr,
-        FROM_AINV: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        C: gl.constexpr = 64
-        i_v = gl.program_id(0)
-        i_hv = gl.program_id(1)
-        i_s = gl.program_id(2)
-        i_h = i_hv // (HV // H)
+    def _segment_span(segments, cu_seqlens, i_s, T, IS_VARLEN: gl.constexpr):
+        """Sequence n, chunk range [c_beg, c_end), batch row i_b and token span [bos, eos) of segment i_s."""
         n = gl.load(segments + 3 * i_s)
         c_beg = gl.load(segments + 3 * i_s + 1)
         c_end = gl.load(segments + 3 * i_s + 2)
@@ -111,28 +102,31 @@ if G.AVAILABLE:
             i_b = n
             bos = 0
             eos = T
-        tok0 = i_b * T                      # first token row of this batch row in the [B*T, ...] views
-        choff = gl.load(chunk_offsets + n)
+        return n, c_beg, c_end, i_b, bos, eos
 
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+    @gluon.jit
+    def _state_steps(
+        k_desc, v_desc, a_desc, h_desc, beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx,
+        k_s, v_s, a_s, bars, h_s, r_s, d_s, vn_s, ready, free,
+        n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
+        s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+        USE_L2: gl.constexpr, INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
+        STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
+        HT_INDEXED: gl.constexpr, NS: gl.constexpr, FROM_AINV: gl.constexpr, FUSED: gl.constexpr,
+    ):
+        """The sequential chain of one (V tile, value head, segment), 4 warps (module docstring, steps 1-4). FUSED:
+        the chunk's start state and v_new are handed to the output partition through the 2-deep rings ``h_s`` /
+        ``vn_s`` (``ready`` arrives when a slot is full, ``free`` when the output partition has read it)."""
+        C: gl.constexpr = 64
+        NH: gl.constexpr = h_s.type.shape[0]
+        i_h = i_hv // (HV // H)
+        tok0 = i_b * T                      # first token row of this batch row in the [B*T, ...] views
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, BV, 16])
         rows_l: gl.constexpr = gl.SliceLayout(1, mma)
         cols_l: gl.constexpr = gl.SliceLayout(0, mma)
         dt: gl.constexpr = k_desc.dtype
-
-        # shared memory: the NS-deep input ring, the state and the two chained operands
-        k_s = gl.allocate_shared_memory(dt, [NS, C, K], k_desc.layout)
-        v_s = gl.allocate_shared_memory(dt, [NS, C, BV], v_desc.layout)
-        AC: gl.constexpr = a_desc.block_type.shape[1]          # Ainv: 64 columns; w: K
-        a_s = gl.allocate_shared_memory(dt, [NS, C, AC], a_desc.layout)
-        bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        h_s = gl.allocate_shared_memory(dt, [K, BV], h_desc.layout)
-        op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], dt)
-        r_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
-        d_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
-        for j in gl.static_range(NS):
-            mbarrier.init(bars.index(j), count=1)
-
         ok = gl.arange(0, K, layout=rows_l)
         ov = i_v * BV + gl.arange(0, BV, layout=cols_l)
         to = gl.arange(0, C, layout=rows_l)
@@ -146,6 +140,7 @@ if G.AVAILABLE:
         else:
             h = gl.zeros([K, BV], gl.float32, layout=mma)
 
+        AC: gl.constexpr = a_desc.block_type.shape[1]          # Ainv: 64 columns; w: K
         nbytes: gl.constexpr = (C * K + C * BV + C * AC) * (dt.primitive_bitwidth // 8)
         col_k = i_h * K
         col_v = i_hv * V + i_v * BV
@@ -163,6 +158,7 @@ if G.AVAILABLE:
             it = c - c_beg
             s = it % NS
             phase = (it // NS) & 1
+            slot = it % NH
             # ---- refill the stage consumed one step ago with chunk c + NS - 1
             sf = (it + NS - 1) % NS
             _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(sf), k_s.index(sf), v_s.index(sf), a_s.index(sf),
@@ -174,22 +170,25 @@ if G.AVAILABLE:
             b_beta = b_n
             rk = rk_n
             g_last = gl_n
-            g_n, b_n, rk_n, gl_n = _chunk_gates(gcum, beta, rk_in, bos + (c + 1) * C, to, eos, tok0, i_b, i_h, i_hv, c + 1 < c_end,
-                                                s_bb, s_bt, s_bh, H, HV, USE_L2)
+            g_n, b_n, rk_n, gl_n = _chunk_gates(gcum, beta, rk_in, bos + (c + 1) * C, to, eos, tok0, i_b, i_h, i_hv,
+                                                c + 1 < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
 
             # ---- 1. the chunk's start state: bf16 copy in shared memory (operand of k @ h, and h_out[c])
+            hs = h_s.index(slot)
             if STORE_H:
                 tma.store_wait(0)
-            h_s.store(h.to(dt))
+            if FUSED:   # the output partition has read this slot (chunk c - NH)
+                mbarrier.wait(free.index(slot), ((it // NH) & 1) ^ 1)
+            hs.store(h.to(dt))
             fence_async_shared()
             cta_barrier()
             if STORE_H:
-                tma_store(h_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], h_s)
+                tma_store(h_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], hs)
             mbarrier.wait(bars.index(s), phase)
             dec = gl.where(m, gl.exp(g_last - b_g) * rk, 0.0)
             if FROM_AINV:
                 # ---- 2. r = beta * (v - diag(exp(g) r_k) (k @ h))
-                kh = warpgroup_mma(k_s.index(s), h_s, zero, use_acc=False, is_async=True)
+                kh = warpgroup_mma(k_s.index(s), hs, zero, use_acc=False, is_async=True)
                 vt = v_s.index(s).load(mma).to(gl.float32)
                 fk = gl.exp(b_g) * rk
                 kh = warpgroup_mma_wait(0, deps=[kh])
@@ -202,29 +201,187 @@ if G.AVAILABLE:
                 vn = warpgroup_mma_wait(0, deps=[vn])
             else:
                 # ---- 2-3. v_new = u - w @ h (w, u from the prepare kernel, in the ring's a / v slots)
-                wh = warpgroup_mma(a_s.index(s), h_s, zero, use_acc=False, is_async=True)
+                wh = warpgroup_mma(a_s.index(s), hs, zero, use_acc=False, is_async=True)
                 ut = v_s.index(s).load(mma).to(gl.float32)
                 wh = warpgroup_mma_wait(0, deps=[wh])
                 vn = ut - wh
             if STORE_VNEW:
                 pv = vnew + ((tok0 + rows) * HV + i_hv)[:, None] * V + ov[None, :]
                 gl.store(pv, vn.to(vnew.dtype.element_ty), mask=m[:, None] & (ov[None, :] < V))
+            if FUSED:
+                vn_s.index(slot).store(gl.where(m[:, None], vn, 0.0).to(dt))
             d = gl.where(m[:, None], vn * dec[:, None], 0.0)
             d_s.store(d.to(dt))
             fence_async_shared()
             cta_barrier()
+            if FUSED:
+                mbarrier.arrive(ready.index(slot), count=1)
             # ---- 4. h = exp(g_last) h + k^T d
             h = warpgroup_mma(k_s.index(s).permute((1, 0)), d_s, h * gl.exp(g_last), is_async=True)
             h = warpgroup_mma_wait(0, deps=[h])
 
         if STORE_H:
             tma.store_wait(0)
-        for j in gl.static_range(NS):
-            mbarrier.invalidate(bars.index(j))
         if STORE_FINAL:
             row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
             p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
             gl.store(p1, h.to(ht.dtype.element_ty), mask=m_kv & ok1)
+
+    @gluon.jit
+    def _output_steps(
+        q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx,
+        n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO,
+        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+        O_INDEXED: gl.constexpr,
+    ):
+        """Output partition of the fused kernel (4 warps), chunk by chunk behind the state partition::
+
+            o[chunk, V tile] = diag(qf) (q @ h_c) + P @ v_new_c
+
+        with P = causal(scale (r_q r_k^T) Gamma Q K^T) and qf = scale r_q exp(g_cum) from the prepare kernel. q and P
+        come by TMA into a 2-deep ring (``q_s`` / ``p_s``, one mbarrier per stage); h_c and v_new_c from the state
+        partition's hand-off slots. Rows past the sequence's end are not stored; a sequence whose pool row is invalid
+        (O_INDEXED) gets zeros, as the output kernel writes."""
+        C: gl.constexpr = 64
+        NQ: gl.constexpr = q_s.type.shape[0]
+        NH: gl.constexpr = h_s.type.shape[0]
+        i_h = i_hv // (HV // H)
+        tok0 = i_b * T
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BV, 16])
+        rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+        dt: gl.constexpr = q_desc.dtype
+        keep = n >= 0
+        if O_INDEXED:
+            idx = gl.load(o_idx + n)
+            keep = (idx >= 0) & (idx < PO)
+        nbytes: gl.constexpr = (C * K + C * C) * (dt.primitive_bitwidth // 8)
+        col_q = i_h * K
+        col_p = i_hv * C
+        for j in gl.static_range(NQ - 1):
+            pred = c_beg + j < c_end
+            mbarrier.expect(qbars.index(j), nbytes, pred=pred)
+            tma_load(q_desc, [tok0 + bos + (c_beg + j) * C, col_q], qbars.index(j), q_s.index(j), pred=pred)
+            tma_load(p_desc, [tok0 + bos + (c_beg + j) * C, col_p], qbars.index(j), p_s.index(j), pred=pred)
+        to = gl.arange(0, C, layout=rows_l)
+        ov = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, mma))
+        zero = gl.zeros([C, BV], gl.float32, layout=mma)
+        for c in range(c_beg, c_end):
+            it = c - c_beg
+            s = it % NQ
+            sf = (it + NQ - 1) % NQ
+            pred = c + NQ - 1 < c_end
+            mbarrier.expect(qbars.index(sf), nbytes, pred=pred)
+            tma_load(q_desc, [tok0 + bos + (c + NQ - 1) * C, col_q], qbars.index(sf), q_s.index(sf), pred=pred)
+            tma_load(p_desc, [tok0 + bos + (c + NQ - 1) * C, col_p], qbars.index(sf), p_s.index(sf), pred=pred)
+            rows = bos + c * C + to
+            m = rows < eos
+            f = gl.load(qf + (tok0 + rows) * HV + i_hv, mask=m, other=0.0)
+            mbarrier.wait(qbars.index(s), (it // NQ) & 1)
+            slot = it % NH
+            mbarrier.wait(ready.index(slot), (it // NH) & 1)
+            acc = warpgroup_mma(q_s.index(s), h_s.index(slot), zero, use_acc=False, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            acc = warpgroup_mma(p_s.index(s), vn_s.index(slot), acc * f[:, None], is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            cta_barrier()
+            mbarrier.arrive(free.index(slot), count=1)
+            po = o + ((tok0 + rows) * HV + i_hv)[:, None] * V + ov[None, :]
+            acc = gl.where(keep, acc, 0.0)
+            gl.store(po, acc.to(o.dtype.element_ty), mask=m[:, None] & (ov[None, :] < V))
+
+    @gluon.jit
+    def _state_pass_sm90_kernel(
+        k_desc, v_desc, a_desc, h_desc,
+        beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx, segments, cu_seqlens, chunk_offsets,
+        T, P0, P1, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+        USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
+        H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
+        STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, NS: gl.constexpr,
+        FROM_AINV: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """The state pass: h per chunk (TMA store), v_new, the final state; one program per (V tile, value head,
+        segment), 4 warps."""
+        C: gl.constexpr = 64
+        i_v = gl.program_id(0)
+        i_hv = gl.program_id(1)
+        i_s = gl.program_id(2)
+        n, c_beg, c_end, i_b, bos, eos = _segment_span(segments, cu_seqlens, i_s, T, IS_VARLEN)
+        choff = gl.load(chunk_offsets + n)
+        dt: gl.constexpr = k_desc.dtype
+        k_s = gl.allocate_shared_memory(dt, [NS, C, K], k_desc.layout)
+        v_s = gl.allocate_shared_memory(dt, [NS, C, BV], v_desc.layout)
+        AC: gl.constexpr = a_desc.block_type.shape[1]
+        a_s = gl.allocate_shared_memory(dt, [NS, C, AC], a_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        h_s = gl.allocate_shared_memory(dt, [1, K, BV], h_desc.layout)
+        op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], dt)
+        r_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
+        d_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
+        for j in gl.static_range(NS):
+            mbarrier.init(bars.index(j), count=1)
+        _state_steps(k_desc, v_desc, a_desc, h_desc, beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx,
+                     k_s, v_s, a_s, bars, h_s, r_s, d_s, d_s, bars, bars,
+                     n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
+                     s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                     H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW, STORE_FINAL,
+                     HT_BY_SEG, HT_INDEXED, NS, FROM_AINV, False)
+        for j in gl.static_range(NS):
+            mbarrier.invalidate(bars.index(j))
+
+    @gluon.jit
+    def _chunk_fused_sm90_kernel(
+        k_desc, v_desc, a_desc, q_desc, p_desc,
+        beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx, segments, cu_seqlens,
+        T, P0, P1, PO, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+        USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
+        H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
+        HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, NH: gl.constexpr,
+        OUT_REGS: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """State pass and output in one kernel (no h / v_new in memory): per (V tile, value head, segment) a state
+        partition (the default 4 warps, :func:`_state_steps`) and an output partition (4 more warps,
+        :func:`_output_steps`) that computes the output of chunk c while the state partition runs chunk c + 1."""
+        C: gl.constexpr = 64
+        i_v = gl.program_id(0)
+        i_hv = gl.program_id(1)
+        i_s = gl.program_id(2)
+        n, c_beg, c_end, i_b, bos, eos = _segment_span(segments, cu_seqlens, i_s, T, IS_VARLEN)
+        dt: gl.constexpr = k_desc.dtype
+        k_s = gl.allocate_shared_memory(dt, [NS, C, K], k_desc.layout)
+        v_s = gl.allocate_shared_memory(dt, [NS, C, BV], v_desc.layout)
+        a_s = gl.allocate_shared_memory(dt, [NS, C, C], a_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        q_s = gl.allocate_shared_memory(dt, [2, C, K], q_desc.layout)
+        p_s = gl.allocate_shared_memory(dt, [2, C, C], p_desc.layout)
+        qbars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BV], dt)
+        h_s = gl.allocate_shared_memory(dt, [NH, K, BV], h_layout)
+        op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], dt)
+        vn_s = gl.allocate_shared_memory(dt, [NH, C, BV], op_layout)
+        r_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
+        d_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
+        ready = gl.allocate_shared_memory(gl.int64, [NH, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [NH, 1], mbarrier.MBarrierLayout())
+        for j in gl.static_range(NS):
+            mbarrier.init(bars.index(j), count=1)
+        for j in gl.static_range(2):
+            mbarrier.init(qbars.index(j), count=1)
+        for j in gl.static_range(NH):
+            mbarrier.init(ready.index(j), count=1)
+            mbarrier.init(free.index(j), count=1)
+        gl.warp_specialize([
+            (_state_steps, (k_desc, v_desc, a_desc, k_desc, beta, gcum, rk_in, o, h0, ht, h0_idx, ht_idx,
+                            k_s, v_s, a_s, bars, h_s, r_s, d_s, vn_s, ready, free,
+                            n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, 0, T, P0, P1,
+                            s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                            H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, False, False, STORE_FINAL,
+                            HT_BY_SEG, HT_INDEXED, NS, True, True)),
+            (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx,
+                             n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV, O_INDEXED)),
+        ], [4], [OUT_REGS])
 
 
 _GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -302,3 +459,33 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
         H0_INDEXED=H0_INDEXED, STORE_H=h_out is not None, STORE_VNEW=vnew is not None, STORE_FINAL=ht is not None,
         HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, NS=stages, FROM_AINV=from_ainv, num_warps=num_warps)
+
+
+def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
+    """Whether the fused state + output kernel can take a launch that the state pass (``supported``) takes in ainv
+    mode: q laid out like k (2-D TMA view) and V tile 32 or 64 (shared memory of the two partitions: ~130 KB at BV 32,
+    ~170 KB at BV 64, K = 128)."""
+    return G.AVAILABLE and q.dtype == k.dtype and q.shape == k.shape and BV in (32, 64) and _rows2d(q) is not None
+
+
+def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
+                      cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
+                      H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, handoff=2, out_regs=160):
+    """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
+    (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs) and the final state;
+    no h / v_new. ``o_idx``: the pool index whose invalid rows give zero outputs (None: every sequence is valid).
+    Other arguments as :func:`launch_state_pass` (ainv mode)."""
+    dn = _GL_DT[k.dtype]
+    B = k.shape[0]
+    k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
+    q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
+    v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
+    a_desc = _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
+    p_desc = _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
+    _chunk_fused_sm90_kernel[grid](
+        k_desc, v_desc, a_desc, q_desc, p_desc,
+        beta, g_cum, rk, qf, o, h0 if h0 is not None else g_cum, ht if ht is not None else g_cum, h0_idx, ht_idx,
+        o_idx if o_idx is not None else h0_idx, segments, cu_seqlens, T, P0, P1, PO, *s_beta, *s0, *s1,
+        H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
+        H0_INDEXED=H0_INDEXED, STORE_FINAL=ht is not None, HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED,
+        O_INDEXED=o_idx is not None, NS=stages, NH=handoff, OUT_REGS=out_regs, num_warps=4)

@@ -76,17 +76,19 @@ def _unit_lower_inverse64(A, PREC: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_prepare_kernel(
-    k, v, g, beta, gcum, ainv, w, u, rk_out, chunk_indices, cu_seqlens, T,
-    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+    k, v, g, beta, gcum, ainv, w, u, rk_out, q, p_out, qf_out, chunk_indices, cu_seqlens, T, scale,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, G_IS_CUM: tl.constexpr, STORE_G: tl.constexpr,
     STORE_A: tl.constexpr, LOAD_A: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
-    STORE_RK: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    STORE_RK: tl.constexpr, STORE_P: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
 ):
     """One program per (chunk, value head): g_cum (chunk-local cumsum), A = strictLower(diag(beta r_k) (Gamma * K K^T)
     diag(r_k)) with r_k the L2 row scalings, Ainv = (I + A)^-1 (stored as [64, 64] rows of the [B, T, HV, 64] buffer),
     W = Ainv diag(beta exp(g) r_k) K, U = Ainv diag(beta) V; r_k stored per key head ([B, T, H] fp32) when asked.
-    LOAD_A: Ainv is read instead of computed (recompute of W / U)."""
+    LOAD_A: Ainv is read instead of computed (recompute of W / U). STORE_P: the output's intra-chunk matrix
+    P = causal(scale (r_q r_k^T) * Gamma * Q K^T) (i >= j; [B, T, HV, 64] like Ainv, rounded as the output kernel
+    rounds it) and the row factors of its inter-chunk part, qf = scale r_q exp(g_cum) ([B, T, HV] fp32)."""
     i_t = tl.program_id(0)
     i_hv = tl.program_id(1)
     n = tl.load(chunk_indices + 2 * i_t)
@@ -124,6 +126,9 @@ def _chunk_prepare_kernel(
         # ---- K K^T (one 64 x 64 product over K tiles) and the squared row norms
         acc = tl.zeros([64, 64], tl.float32)
         ss = tl.zeros([64], tl.float32)
+        if STORE_P:
+            acc_q = tl.zeros([64, 64], tl.float32)
+            ss_q = tl.zeros([64], tl.float32)
         for i_k in range(0, tl.cdiv(K, BK)):
             ok = i_k * BK + tl.arange(0, BK)
             b_k = _load_tile(k_base, rows, m, ok, ok < K, s_kt)
@@ -132,10 +137,26 @@ def _chunk_prepare_kernel(
                 ss += tl.sum(kf * kf, axis=1)
             b_k = _rn(b_k, DT)
             acc += _dot(b_k, tl.trans(b_k), PREC)
+            if STORE_P:
+                b_q = _load_tile(q + i_b * s_qb + i_h * s_qh, rows, m, ok, ok < K, s_qt)
+                if USE_L2:
+                    qf = b_q.to(tl.float32)
+                    ss_q += tl.sum(qf * qf, axis=1)
+                acc_q += _dot(_rn(b_q, DT), tl.trans(b_k), PREC)
         if USE_L2:
             rk = tl.rsqrt(ss + 1e-6)
         else:
             rk = tl.full([64], 1.0, tl.float32)
+        if STORE_P:
+            if USE_L2:
+                rq = tl.rsqrt(ss_q + 1e-6) * scale
+            else:
+                rq = tl.full([64], 1.0, tl.float32) * scale
+            causal = to[:, None] >= to[None, :]
+            att = tl.where(causal, acc_q * rq[:, None] * rk[None, :] *
+                           tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+            tl.store(p_out + trow[:, None] * 64 + to[None, :], _rn(att, p_out.dtype.element_ty), mask=m[:, None])
+            tl.store(qf_out + trow, rq * tl.exp(b_g), mask=m)
         low = to[:, None] > to[None, :]
         A = tl.where(low, acc * (b_beta * rk)[:, None] * rk[None, :] *
                      tl.exp(tl.where(low, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
@@ -182,7 +203,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
                       use_qk_l2norm_in_kernel: bool = False, *, store_ainv: bool = True, store_wu: bool = True,
                       g_is_cumsum: bool = False, out_dtype: Optional[torch.dtype] = None,
                       chunk_index: Optional[ChunkIndex] = None, ainv_dtype: torch.dtype = torch.float32,
-                      rk: Optional[torch.Tensor] = None):
+                      rk: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None, scale: float = 1.0):
     """Fused cumsum + K K^T + triangular solve + W/U.
 
     k [B, T, H, K], v [B, T, HV, V] (strided, last dim contiguous), g, beta [B, T, HV] (any float dtype; g log-space,
@@ -191,6 +212,8 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     w [B, T, HV, K] or None, u [B, T, HV, V] or None)``; w/u in ``out_dtype`` (default: the tensor-core dtype of k/v,
     i.e. bf16 for bf16 inputs). Ainv row t holds row (t - chunk start) of its chunk's (I + A)^-1 (no beta factor).
     ``rk``: optional fp32 [B, T, H] buffer that receives the L2 row scalings 1 / |k_t| (with the L2 norm on).
+    ``q`` [B, T, H, K] (strided) with ``scale``: also the output's intra-chunk matrix P [B, T, HV, 64] (tensor-core
+    dtype) and row factors qf [B, T, HV] fp32 (kernel docstring), returned as a 5th and 6th value.
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
@@ -206,25 +229,32 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     ainv = _empty(B, T, HV, CHUNK_SIZE, device=dev, dtype=ainv_dtype) if store_ainv else None
     w = _empty(B, T, HV, K, device=dev, dtype=out_dtype) if store_wu else None
     u = _empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_wu else None
+    p = _empty(B, T, HV, CHUNK_SIZE, device=dev, dtype=dt) if q is not None else None
+    qf = _empty(B, T, HV, device=dev, dtype=torch.float32) if q is not None else None
+    extra = (p, qf) if q is not None else ()
     if ci.NT == 0 or HV == 0:
-        return g_cum, ainv, w, u
+        return (g_cum, ainv, w, u) + extra
     dummy = g_cum
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
     store_rk = rk is not None and bool(use_qk_l2norm_in_kernel)
     _launch(_chunk_prepare_kernel, (ci.NT, HV),
         k, v, g, beta, g_cum, ainv if ainv is not None else dummy, w if w is not None else dummy,
-        u if u is not None else dummy, rk if store_rk else dummy, ci.chunk_indices,
-        _cu_arg(cu_seqlens, ci.chunk_offsets), T,
-        *_strides3(k), *_strides3(v), *_strides3(g), *_strides3(beta),
+        u if u is not None else dummy, rk if store_rk else dummy, q if q is not None else k,
+        p if p is not None else dummy, qf if qf is not None else dummy, ci.chunk_indices,
+        _cu_arg(cu_seqlens, ci.chunk_offsets), T, float(scale),
+        *_strides3(k), *_strides3(v), *_strides3(g), *_strides3(beta), *_strides3(q if q is not None else k),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
         G_IS_CUM=bool(g_is_cumsum), STORE_G=store_g, STORE_A=store_ainv, LOAD_A=False, STORE_W=store_wu,
-        STORE_U=store_wu, STORE_RK=store_rk, DT=_TL[dt], PREC=cfg.fp32_dot_precision,
+        STORE_U=store_wu, STORE_RK=store_rk, STORE_P=q is not None, DT=_TL[dt], PREC=cfg.fp32_dot_precision,
         SOLVE_PREC=_solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype),
-        num_warps=int(cfg.prepare_warps), num_stages=int(cfg.prepare_stages),
+        num_warps=int(cfg.prepare_warps),
+        # STORE_P: the K loop holding two products, software-pipelined (2 stages), gave wrong, run-to-run different P
+        # on the H200 (Triton 3.6; o 4-6e-2 off); unpipelined it is exact and deterministic
+        num_stages=1 if q is not None else int(cfg.prepare_stages),
         maxnreg=cfg.prepare_maxnreg,
     )
-    return g_cum, ainv, w, u
+    return (g_cum, ainv, w, u) + extra
 
 
 def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = CHUNK_SIZE, cu_seqlens: Optional[torch.Tensor] = None,
@@ -298,10 +328,12 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: to
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
     _launch(_chunk_prepare_kernel, (ci.NT, HV),
-        k, v, g_cum, beta, g_cum, ainv, w, u if store_u else w, g_cum, ci.chunk_indices,
-        _cu_arg(cu_seqlens, ci.chunk_offsets), T, *_strides3(k), *_strides3(v), *_strides3(g_cum), *_strides3(beta),
+        k, v, g_cum, beta, g_cum, ainv, w, u if store_u else w, g_cum, k, g_cum, g_cum, ci.chunk_indices,
+        _cu_arg(cu_seqlens, ci.chunk_offsets), T, 1.0, *_strides3(k), *_strides3(v), *_strides3(g_cum),
+        *_strides3(beta), *_strides3(k),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
         G_IS_CUM=True, STORE_G=False, STORE_A=False, LOAD_A=True, STORE_W=True, STORE_U=store_u, STORE_RK=False,
+        STORE_P=False,
         DT=_TL[dt], PREC=cfg.fp32_dot_precision, SOLVE_PREC="ieee",
         num_warps=int(cfg.prepare_warps), num_stages=int(cfg.prepare_stages),
         maxnreg=cfg.prepare_maxnreg,
