@@ -25,7 +25,7 @@ from .common import CHUNK_SIZE, _check_chunk_size, _dot_dtype, _empty
 from .output import chunk_output
 from .plan import prepare_chunk_indices
 from .prepare import chunk_fwd_prepare
-from .state import chunk_state_pass, fused_output_tile
+from .state import chunk_state_pass, fused_output_plan
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
@@ -54,8 +54,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
     ckpt = checkpoint_indices is not None and checkpoint_indices.shape[1] > 0
     # Hopper: the output computed by the state pass itself (P and qf from the prepare kernel; no h / v_new in memory)
-    bv_fused = (fused_output_tile(q, k, v, ci, segment_chunks, ckpt)
-                if (not return_states and from_ainv and a_dtype == dt) else 0)
+    bv_fused, plan = (fused_output_plan(q, k, v, ci, segment_chunks, ckpt)
+                      if (not return_states and from_ainv and a_dtype == dt) else (0, None))
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
                              ainv_dtype=a_dtype, rk=rk, q=q if bv_fused else None, scale=scale)
@@ -66,7 +66,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     fuse = None
     if bv_fused:
         fuse = dict(q=q, p=prep[4], qf=prep[5], o=_empty(B, T, v.shape[2], v.shape[3], device=q.device,
-                                                         dtype=v.dtype), o_idx=state_indices, PO=P, BV=bv_fused)
+                                                         dtype=v.dtype), o_idx=state_indices, PO=P, BV=bv_fused,
+                    plan=plan)
     h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
                                     use_qk_l2norm_in_kernel, v=v if from_ainv else None,
                                     beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,

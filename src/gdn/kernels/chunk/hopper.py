@@ -338,13 +338,14 @@ if G.AVAILABLE:
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
-        HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, NH: gl.constexpr,
-        OUT_REGS: gl.constexpr, num_warps: gl.constexpr,
+        HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, OUT_REGS: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """State pass and output in one kernel (no h / v_new in memory): per (V tile, value head, segment) a state
         partition (the default 4 warps, :func:`_state_steps`) and an output partition (4 more warps,
         :func:`_output_steps`) that computes the output of chunk c while the state partition runs chunk c + 1."""
         C: gl.constexpr = 64
+        NH: gl.constexpr = 2                # hand-off slots: the chain runs at most one chunk ahead of the output
         i_v = gl.program_id(0)
         i_hv = gl.program_id(1)
         i_s = gl.program_id(2)
@@ -385,6 +386,8 @@ if G.AVAILABLE:
 
 
 _GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# register budget of the fused kernel's output partition (``gl.warp_specialize``'s worker_num_regs)
+OUTPUT_PARTITION_REGS = 160
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -463,14 +466,14 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
 
 def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
     """Whether the fused state + output kernel can take a launch that the state pass (``supported``) takes in ainv
-    mode: q laid out like k (2-D TMA view) and V tile 32 or 64 (shared memory of the two partitions: ~130 KB at BV 32,
-    ~170 KB at BV 64, K = 128)."""
+    mode: q laid out like k (2-D TMA view) and V tile 32 or 64 (shared memory of the two partitions: ~140 KB at BV 32,
+    ~180 KB at BV 64, K = 128)."""
     return G.AVAILABLE and q.dtype == k.dtype and q.shape == k.shape and BV in (32, 64) and _rows2d(q) is not None
 
 
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
                       cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
-                      H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, handoff=2, out_regs=160):
+                      H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2):
     """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
     (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs) and the final state;
     no h / v_new. ``o_idx``: the pool index whose invalid rows give zero outputs (None: every sequence is valid).
@@ -488,4 +491,4 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
         o_idx if o_idx is not None else h0_idx, segments, cu_seqlens, T, P0, P1, PO, *s_beta, *s0, *s1,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
         H0_INDEXED=H0_INDEXED, STORE_FINAL=ht is not None, HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED,
-        O_INDEXED=o_idx is not None, NS=stages, NH=handoff, OUT_REGS=out_regs, num_warps=4)
+        O_INDEXED=o_idx is not None, NS=stages, OUT_REGS=OUTPUT_PARTITION_REGS, num_warps=4)

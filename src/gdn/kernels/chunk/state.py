@@ -234,26 +234,27 @@ def _pass_plan(ci: ChunkIndex, HV: int, K: int, V: int, dev, sm90: bool, segment
     return plan_segments(ci, seg, dev), sm90_tile
 
 
-def fused_output_tile(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ci: ChunkIndex,
-                      segment_chunks: Optional[int] = None, checkpoints: bool = False) -> int:
-    """V tile of the fused Hopper state + output kernel for an ainv-mode forward of these inputs, or 0 where it does
-    not take the final pass (not sm_90, unsupported dtype / layout / shape, checkpoints, the ``chunk_fwd.state_sm90``
-    / ``state_sm90_fused`` fields off, no Gluon tile chosen): the decision :func:`chunk_state_pass` makes too."""
+def fused_output_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ci: ChunkIndex,
+                      segment_chunks: Optional[int] = None, checkpoints: bool = False):
+    """(V tile, segment plan) of the fused Hopper state + output kernel for an ainv-mode forward of these inputs, or
+    (0, None) where it does not take the final pass (not sm_90, unsupported dtype / layout / shape, checkpoints, the
+    ``chunk_fwd.state_sm90`` / ``state_sm90_fused`` fields off, no Gluon tile chosen). Both go to
+    :func:`chunk_state_pass` in its ``output`` dict, which then plans nothing itself."""
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
     cfg = tuning.chunk_fwd(dev)
     if not (cfg.state_sm90 and cfg.state_sm90_fused) or cfg.state_split_h or ci.N == 0 or HV == 0:
-        return 0
+        return 0, None
     dt = _dot_dtype(k, v)
     # the Ainv that the prepare kernel will write: contiguous [B, T, HV, 64] in the tensor-core dtype
     ainv_like = torch.empty_strided((B, T, HV, CHUNK_SIZE), (T * HV * CHUNK_SIZE, HV * CHUNK_SIZE, CHUNK_SIZE, 1),
                                     dtype=dt, device="meta")
     if not hopper.supported(k, v, ainv_like, None, None, dt, K, V, 1, False, checkpoints=checkpoints):
-        return 0
+        return 0, None
     plan, sm90_tile = _pass_plan(ci, HV, K, V, dev, True, segment_chunks)
     bv = sm90_tile(plan.S * HV)
-    return bv if bv and hopper.fused_supported(q, k, bv) else 0
+    return (bv, plan) if bv and hopper.fused_supported(q, k, bv) else (0, None)
 
 
 def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[torch.Tensor], g_cum: torch.Tensor,
@@ -286,8 +287,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     ([P, HV, ...] in ``state_layout``, default ``final_state``): the state of sequence n after its
     ``(c + 1) * checkpoint_every``-th token -> pool row ``checkpoint_indices[n, c]`` (-1 / past the end: skipped;
     padding sequences write nothing), in the same pass (the portable kernel: the Hopper pass says unsupported).
-    ``output``: dict(q=, p=, qf=, o=, o_idx=, PO=, BV=) computes the output in the same pass with the fused Hopper
-    kernel (``hopper._chunk_fused_sm90_kernel``; only where :func:`fused_output_tile` gave that BV): o [B, T, HV, V]
+    ``output``: dict(q=, p=, qf=, o=, o_idx=, PO=, BV=, plan=) computes the output in the same pass with the fused
+    Hopper kernel (``hopper._chunk_fused_sm90_kernel``; BV and plan from :func:`fused_output_plan`): o [B, T, HV, V]
     (contiguous) is written from P / qf of the prepare kernel, and h / v_new are None (never in memory).
     v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
     ``segment_chunks``: None = heuristic / tuning table, -1 = never segment, n > 0 = segments of n chunks.
@@ -321,14 +322,16 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     BV = _state_bv(K, V, dev)
     xs, mats = (v, ainv) if from_ainv else (u, w)
     ckpt = checkpoint_indices is not None and checkpoint_indices.shape[1] > 0
-    sm90 = (cfg.state_sm90 and xs is not None and not split_h
-            and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, checkpoints=ckpt))
-    plan, sm90_tile = _pass_plan(ci, HV, K, V, dev, sm90, segment_chunks)
-    # the final pass (from the true starts) with the output fused in: the caller checked fused_output_tile
+    # the final pass (from the true starts) with the output fused in: tile and plan decided by fused_output_plan
     fused = output is not None
-    bv_fused = output["BV"] if fused else 0
-    if fused and not (from_ainv and sm90 and sm90_tile(plan.S * HV) == bv_fused):
-        raise RuntimeError("chunk_state_pass: output= without the fused kernel's tile (use fused_output_tile)")
+    if fused:
+        if not from_ainv:
+            raise ValueError("chunk_state_pass: output= needs the ainv mode (v, beta, ainv)")
+        plan, bv_fused = output["plan"], output["BV"]
+    else:
+        sm90 = (cfg.state_sm90 and xs is not None and not split_h
+                and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, checkpoints=ckpt))
+        plan, sm90_tile = _pass_plan(ci, HV, K, V, dev, sm90, segment_chunks)
     h = _empty(ci.NT, HV, K, V, device=dev, dtype=h_dtype) if (store_h and not fused) else None
     v_new = _empty(B, T, HV, V, device=dev, dtype=vnew_dtype) if (store_vnew and not fused) else None
     dummy = g_cum
@@ -356,18 +359,18 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         ck_kw.update(zip(("s2n", "s2h", "s2k", "s2v"), _state_strides(ck_pool, state_layout)))
 
     def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, ck=None, **flags):
-        bv9 = sm90_tile(S * HV) if (n_extra == 0 and Vd == V) else 0
         if fused and n_extra == 0:
             # Hopper: state pass and output in one warp-specialized kernel (hopper.py)
             hopper.launch_fused_pass(
                 (triton.cdiv(V, bv_fused), HV, S), output["q"], k, xs, bb, mats.contiguous(), output["p"],
                 output["qf"], g_cum, rk_arg, output["o"], h0, ht_, h0_idx if h0_idx is not None else ci.chunk_offsets,
-                ht_idx if ht_idx is not None else ci.chunk_offsets, output.get("o_idx"), plan.segments, cu, T, P0, P1,
-                int(output.get("PO", 0)), sb, s0, s1, H=H, HV=HV, K=K, V=V, use_l2=l2,
+                ht_idx if ht_idx is not None else ci.chunk_offsets, output["o_idx"], plan.segments, cu, T, P0, P1,
+                output["PO"], sb, s0, s1, H=H, HV=HV, K=K, V=V, use_l2=l2,
                 is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
                 BV=bv_fused, stages=cfg.state_sm90_stages)
             return
+        bv9 = sm90_tile(S * HV) if (not fused and n_extra == 0 and Vd == V) else 0
         if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,
                                     checkpoints=bool(ck)):
             # Hopper: the Gluon form of this pass (TMA ring, asynchronous wgmma; hopper.py)
