@@ -202,6 +202,45 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, scale=None, initial_state=None,
     return out
 
 
+def chunk_intra_ref(q, k, g, beta, scale=None, cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, chunk_size=64):
+    """The per-chunk matrices of the chunked form (as :func:`chunk_gated_delta_rule_ref` builds them), in the kernels'
+    row layout ``[B, T, HV, C]``: row t holds row (t - chunk start) of its chunk's matrix, columns past the chunk's
+    end are 0. Returns a dict::
+
+        g_cum [B, T, HV]       chunk-local cumulative gates c
+        ainv  [B, T, HV, C]    (I + A)^-1,  A = strictLower(diag(beta) (Gamma * K K^T))
+        p     [B, T, HV, C]    scale (Q K^T) * Gamma, causal (the intra-chunk part of the output)
+        qf    [B, T, HV]       scale exp(c) r_q,  r_q = 1 / sqrt(|q|^2 + eps) with the L2 norm, else 1
+
+    q, k after the optional L2 norm. Computed in float64 on the inputs' device."""
+    B, T, H, K = q.shape
+    HV = g.shape[2]
+    C = int(chunk_size)
+    scale = K ** -0.5 if scale is None else float(scale)
+    q, k, g, beta = (x.to(torch.float64) for x in (q, k, g, beta))
+    rq = torch.rsqrt((q * q).sum(-1) + L2_EPS) if use_qk_l2norm_in_kernel else torch.ones_like(q[..., 0])
+    if use_qk_l2norm_in_kernel:
+        q, k = l2norm_ref(q), l2norm_ref(k)
+    q, k, rq = _expand_heads(q, HV), _expand_heads(k, HV), _expand_heads(rq[..., None], HV)[..., 0]
+    out = dict(g_cum=q.new_zeros(B, T, HV), ainv=q.new_zeros(B, T, HV, C), p=q.new_zeros(B, T, HV, C),
+               qf=q.new_zeros(B, T, HV))
+    for bi, s, e in sequence_spans(B, T, cu_seqlens):
+        for c0 in range(s, e, C):
+            c1 = min(c0 + C, e)
+            L = c1 - c0
+            kc, qc = k[bi, c0:c1].transpose(0, 1), q[bi, c0:c1].transpose(0, 1)     # [HV, L, K]
+            gc = torch.cumsum(g[bi, c0:c1], 0).T                                     # [HV, L]
+            causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+            gamma = torch.exp((gc[:, :, None] - gc[:, None, :]).masked_fill(~causal, float("-inf")))
+            A = (beta[bi, c0:c1].T[:, :, None] * gamma * (kc @ kc.transpose(1, 2))).tril(-1)
+            eye = torch.eye(L, dtype=torch.float64, device=q.device)
+            out["ainv"][bi, c0:c1, :, :L] = torch.linalg.inv(eye + A).transpose(0, 1)
+            out["p"][bi, c0:c1, :, :L] = (scale * (qc @ kc.transpose(1, 2)) * gamma).transpose(0, 1)
+            out["g_cum"][bi, c0:c1] = gc.T
+            out["qf"][bi, c0:c1] = scale * torch.exp(gc.T) * rq[bi, c0:c1]
+    return out
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the rest of the block
 # ----------------------------------------------------------------------------------------------------------------------
@@ -254,5 +293,5 @@ def decode_ref(q, k, v, state, A_log, a, dt_bias, b, scale=None, *, use_qk_l2nor
 
 __all__ = [
     "l2norm_ref", "gdn_gate_ref", "recurrent_gated_delta_rule_ref", "chunk_gated_delta_rule_ref",
-    "causal_conv1d_ref", "gated_rmsnorm_ref", "decode_ref", "sequence_spans", "resolve_gates",
+    "causal_conv1d_ref", "gated_rmsnorm_ref", "decode_ref", "sequence_spans", "resolve_gates", "chunk_intra_ref",
 ]

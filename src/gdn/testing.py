@@ -19,6 +19,19 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
+def max_rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``max |x - ref| / max |ref|`` in float64: catches a few wrong elements that a norm-wise error averages away;
+    NaN/inf anywhere gives inf."""
+    x64, r64 = x.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
+    if x64.shape != r64.shape:
+        raise AssertionError(f"shape mismatch: {tuple(x64.shape)} vs reference {tuple(r64.shape)}")
+    if not torch.isfinite(x64).all():
+        return float("inf")
+    den = r64.abs().max().item() if r64.numel() else 0.0
+    num = (x64 - r64).abs().max().item() if r64.numel() else 0.0
+    return num / den if den > 0 else num
+
+
 def poison_(x: torch.Tensor) -> torch.Tensor:
     """Fill with NaN (floats) so unwritten elements show up."""
     return x.fill_(float("nan"))

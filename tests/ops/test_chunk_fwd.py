@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gdn.ops import chunk_gated_delta_rule
-from gdn.reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref, sequence_spans
+from gdn.reference import chunk_gated_delta_rule_ref, chunk_intra_ref, recurrent_gated_delta_rule_ref, sequence_spans
 from gdn.testing import make_inputs, rel_err, to64
 
 TOL = {torch.float32: 2e-3, torch.bfloat16: 1.5e-2, torch.float16: 1e-2}
@@ -378,6 +378,40 @@ def test_prepare_output_matrix(l2):
         for hv in range(HV):
             mine = qf[0, a:b, hv, None] * (x.q[0, a:b, 0] @ h[c, hv]) + p[0, a:b, hv, :b - a] @ v_new[0, a:b, hv]
             assert rel_err(mine, o[0, a:b, hv]) < 1e-4
+
+
+@pytest.mark.parametrize("l2", [True, False])
+def test_chunk_intra_ref_against_recurrence(l2):
+    """The float64 per-chunk oracle: for sequences of at most one chunk from a zero state, o = P (Ainv diag(beta) V)
+    and o's inter-chunk factor qf matches, against the token-by-token recurrence (an independent formulation)."""
+    cu = torch.tensor([0, 1, 1 + 63, 1 + 63 + 64, 1 + 63 + 64 + 17], dtype=torch.int32)
+    T = int(cu[-1])
+    x = make_inputs(1, T, 2, 4, 16, 8, dtype=torch.float64, normalize_qk=not l2)
+    scale = 0.3
+    ref = chunk_intra_ref(x.q, x.k, x.g, x.beta, scale, cu, l2)
+    o_rec, _ = recurrent_gated_delta_rule_ref(x.q, x.k, x.v, x.g, x.beta, scale, None, False, cu, l2)
+    for _, s, e in sequence_spans(1, T, cu):
+        L = e - s
+        a, p = ref["ainv"][0, s:e, :, :L].transpose(0, 1), ref["p"][0, s:e, :, :L].transpose(0, 1)   # [HV, L, L]
+        assert torch.equal(ref["ainv"][0, s:e, :, L:], torch.zeros_like(ref["ainv"][0, s:e, :, L:]))
+        v_new = a @ (x.beta[0, s:e].T[..., None] * x.v[0, s:e].transpose(0, 1))
+        assert rel_err((p @ v_new).transpose(0, 1), o_rec[0, s:e]) < 1e-12
+        gc = torch.cumsum(x.g[0, s:e], 0)
+        q = x.q[0, s:e].repeat_interleave(2, dim=1)
+        rq = (q.square().sum(-1) + 1e-6).rsqrt() if l2 else torch.ones_like(gc)
+        assert rel_err(ref["qf"][0, s:e], scale * torch.exp(gc) * rq) < 1e-12
+        assert rel_err(ref["g_cum"][0, s:e], gc) < 1e-12
+
+
+def test_prepare_elementwise_check_passes():
+    """``gdn check``'s element-wise prepare case (every launch mode against chunk_intra_ref, bitwise repeatable) at
+    its interpreter size; on the GPU it caught a miscompiled pipeline that norm-wise errors averaged away."""
+    from gdn.checks.chunk import chunk_prepare_elementwise
+
+    results = chunk_prepare_elementwise(torch.device("cpu"))
+    assert len(results) == 13
+    bad = [(r.case, r.rel_err, r.tol) for r in results if not r.passed]
+    assert not bad, bad
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -26,8 +26,10 @@ class ChunkForward:
     prepare_BK: int = 64
     prepare_BV: int = 64
     prepare_warps: int = 4
+    # pipeline depth of the recompute of W / U from a stored Ainv (the solving launches always run unpipelined)
     prepare_stages: int = 2
-    prepare_maxnreg: int = 168
+    # 128: four programs per SM instead of three (H200: prepare -4 to -9%)
+    prepare_maxnreg: int = 128
     # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half
     # inputs, else tf32x3; or "ieee", "tf32x3", "tf32", "bf16")
     solve_precision: str = "auto"
@@ -42,7 +44,8 @@ class ChunkForward:
     # sm_90: the sequential state pass as the Gluon kernel of gdn.kernels.chunk.hopper (TMA ring of state_sm90_stages
     # chunks, asynchronous wgmma) where it supports the launch. state_sm90_BV: 0 = the narrowest V tile (32, then 64)
     # whose grid fits one wave of CTAs (one per SM: a chunk step takes 1.1-1.4 us alone on an SM and slows down when
-    # SMs are shared; H200); larger grids run the portable pass, which keeps several CTAs per SM busy. One of its
+    # SMs are shared; H200); larger grids run the portable pass, which keeps several CTAs per SM busy (the fused
+    # state + output kernel below takes them at V tile 64: it replaces two portable kernels). One of its
     # steps costs ~state_sm90_step_cost portable steps (segment planning). bench/results/sm90_state_h200.json;
     # the A/B: bench/sweeps.json sm90-*
     state_sm90: bool = True

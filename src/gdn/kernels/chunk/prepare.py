@@ -89,8 +89,11 @@ def _chunk_prepare_kernel(
     LOAD_A: Ainv is read instead of computed (recompute of W / U). STORE_P: the output's intra-chunk matrix
     P = causal(scale (r_q r_k^T) * Gamma * Q K^T) (i >= j; [B, T, HV, 64] like Ainv, rounded as the output kernel
     rounds it) and the row factors of its inter-chunk part, qf = scale r_q exp(g_cum) ([B, T, HV] fp32)."""
-    i_t = tl.program_id(0)
-    i_hv = tl.program_id(1)
+    # one flat grid, value heads fastest: the HV // H programs sharing a key head's k (and q) tiles run side by side
+    # and read them once from memory (grid order (NT, HV) was 4-5% slower on the H200)
+    pid = tl.program_id(0)
+    i_t = pid // HV
+    i_hv = pid % HV
     n = tl.load(chunk_indices + 2 * i_t)
     c = tl.load(chunk_indices + 2 * i_t + 1)
     i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
@@ -238,7 +241,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
     store_rk = rk is not None and bool(use_qk_l2norm_in_kernel)
-    _launch(_chunk_prepare_kernel, (ci.NT, HV),
+    _launch(_chunk_prepare_kernel, (ci.NT * HV,),
         k, v, g, beta, g_cum, ainv if ainv is not None else dummy, w if w is not None else dummy,
         u if u is not None else dummy, rk if store_rk else dummy, q if q is not None else k,
         p if p is not None else dummy, qf if qf is not None else dummy, ci.chunk_indices,
@@ -249,9 +252,9 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
         STORE_U=store_wu, STORE_RK=store_rk, STORE_P=q is not None, DT=_TL[dt], PREC=cfg.fp32_dot_precision,
         SOLVE_PREC=_solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype),
         num_warps=int(cfg.prepare_warps),
-        # STORE_P: the K loop holding two products, software-pipelined (2 stages), gave wrong, run-to-run different P
-        # on the H200 (Triton 3.6; o 4-6e-2 off); unpipelined it is exact and deterministic
-        num_stages=1 if q is not None else int(cfg.prepare_stages),
+        # never software-pipelined: with the K loop pipelined 2 stages deep, Triton 3.6 on the H200 gave wrong,
+        # run-to-run different Ainv (~0.02% of the elements off by up to 0.13) and P (bench/NOTES.md)
+        num_stages=1,
         maxnreg=cfg.prepare_maxnreg,
     )
     return (g_cum, ainv, w, u) + extra
@@ -327,7 +330,7 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: to
     g_cum = g_cum.float().contiguous()
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
-    _launch(_chunk_prepare_kernel, (ci.NT, HV),
+    _launch(_chunk_prepare_kernel, (ci.NT * HV,),
         k, v, g_cum, beta, g_cum, ainv, w, u if store_u else w, g_cum, k, g_cum, g_cum, ci.chunk_indices,
         _cu_arg(cu_seqlens, ci.chunk_offsets), T, 1.0, *_strides3(k), *_strides3(v), *_strides3(g_cum),
         *_strides3(beta), *_strides3(k),

@@ -253,7 +253,11 @@ def fused_output_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ci: Chu
     if not hopper.supported(k, v, ainv_like, None, None, dt, K, V, 1, False, checkpoints=checkpoints):
         return 0, None
     plan, sm90_tile = _pass_plan(ci, HV, K, V, dev, True, segment_chunks)
-    bv = sm90_tile(plan.S * HV)
+    # unsegmented grids larger than one wave at every V tile (batches of several sequences): still the fused kernel,
+    # at V tile 64 (H200 kernel sums against the portable pass + output kernel: 4x4096 16/32 0.696 -> 0.572 ms,
+    # 8x2048 0.700 -> 0.573, 64x256 0.778 -> 0.658; bench/NOTES.md). Segmented plans (long sequences, few heads)
+    # keep the portable final pass: in gdn bench 1x8192 8/16 went 0.63 -> 1.15 ms that way
+    bv = sm90_tile(plan.S * HV) or (64 if V % 64 == 0 and not plan.segmented else 0)
     return (bv, plan) if bv and hopper.fused_supported(q, k, bv) else (0, None)
 
 
