@@ -7,29 +7,28 @@ from typing import Optional
 import torch
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||x - ref|| / ||ref||`` in float64; NaN/inf anywhere gives inf (never passes)."""
+def _relative(x: torch.Tensor, ref: torch.Tensor, size) -> float:
+    """``size(x - ref) / size(ref)`` in float64 on the CPU (``size`` of a zero reference taken as 1); NaN/inf in x
+    gives inf (never passes)."""
     x64, r64 = x.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
     if x64.shape != r64.shape:
         raise AssertionError(f"shape mismatch: {tuple(x64.shape)} vs reference {tuple(r64.shape)}")
     if not torch.isfinite(x64).all():
         return float("inf")
-    den = r64.norm().item()
-    num = (x64 - r64).norm().item()
+    den = size(r64)
+    num = size(x64 - r64)
     return num / den if den > 0 else num
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||x - ref|| / ||ref||`` in float64; NaN/inf anywhere gives inf (never passes)."""
+    return _relative(x, ref, lambda t: t.norm().item())
 
 
 def max_rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """``max |x - ref| / max |ref|`` in float64: catches a few wrong elements that a norm-wise error averages away;
     NaN/inf anywhere gives inf."""
-    x64, r64 = x.detach().to("cpu", torch.float64), ref.detach().to("cpu", torch.float64)
-    if x64.shape != r64.shape:
-        raise AssertionError(f"shape mismatch: {tuple(x64.shape)} vs reference {tuple(r64.shape)}")
-    if not torch.isfinite(x64).all():
-        return float("inf")
-    den = r64.abs().max().item() if r64.numel() else 0.0
-    num = (x64 - r64).abs().max().item() if r64.numel() else 0.0
-    return num / den if den > 0 else num
+    return _relative(x, ref, lambda t: t.abs().max().item() if t.numel() else 0.0)
 
 
 def poison_(x: torch.Tensor) -> torch.Tensor:

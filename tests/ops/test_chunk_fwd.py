@@ -354,23 +354,15 @@ def test_prepare_output_matrix(l2):
     g_cum, ainv, _, _, p, qf = cf.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, l2, store_wu=False, q=x.q,
                                                     scale=scale)
     assert p.shape == (1, T, HV, 64) and qf.shape == (1, T, HV)
-    q64, k64 = x.q[0].double(), x.k[0].double()
-    if l2:
-        q64 = q64 / (q64.square().sum(-1, keepdim=True) + 1e-6).sqrt()
-        k64 = k64 / (k64.square().sum(-1, keepdim=True) + 1e-6).sqrt()
+    ref = chunk_intra_ref(x.q, x.k, x.g, x.beta, scale, cu, l2)    # float64 P and qf
     starts = [0, 64, C + 1, 2 * C, 2 * C + 64]
     ends = [64, C + 1, 2 * C, 2 * C + 64, T]
     for a, b in zip(starts, ends):
         L = b - a
         for hv in range(HV):
-            gc = g_cum[0, a:b, hv].double()
-            causal = torch.ones(L, L, dtype=torch.bool).tril()
-            ref = torch.where(causal, scale * (q64[a:b, 0] @ k64[a:b, 0].T) * torch.exp(gc[:, None] - gc[None, :]
-                                                                                        ).masked_fill(~causal, 0), 0)
-            assert rel_err(p[0, a:b, hv, :L], ref) < 1e-5
+            assert rel_err(p[0, a:b, hv, :L], ref["p"][0, a:b, hv, :L]) < 1e-5
             assert torch.equal(p[0, a:b, hv, L:], torch.zeros_like(p[0, a:b, hv, L:]))
-            rq = (x.q[0, a:b, 0].double().square().sum(-1) + 1e-6).rsqrt() if l2 else torch.ones(L, dtype=torch.double)
-            assert rel_err(qf[0, a:b, hv], scale * rq * torch.exp(gc)) < 1e-5
+            assert rel_err(qf[0, a:b, hv], ref["qf"][0, a:b, hv]) < 1e-5
     # the output identity on the stored states
     h, v_new, _ = cf.chunk_state_pass(x.k, None, None, g_cum, None, False, cu, 64, l2, v=x.v, beta=x.beta, ainv=ainv)
     o = cf.chunk_output(x.q, x.k, v_new, h, g_cum, scale, cu, 64, l2)

@@ -5,7 +5,7 @@ import dataclasses
 import torch
 
 from ..ops import chunk_gated_delta_rule
-from ..reference import chunk_gated_delta_rule_ref, chunk_intra_ref, sequence_spans
+from ..reference import chunk_gated_delta_rule_ref, chunk_intra_ref, l2norm_ref, sequence_spans
 from ..testing import GDNInputs, make_inputs, max_rel_err, rel_err, to64
 from . import Result, register
 
@@ -257,8 +257,7 @@ def chunk_prepare_elementwise(device):
     # W = Ainv diag(beta exp(c) r_k) K and U = Ainv diag(beta) V per chunk, from the kernel's own bf16 Ainv
     ainv = r[1]
     w, u = twice("W / U recompute", lambda: recompute_w_u(x.k, x.v, x.beta, ainv, r[0], cu, 64, True))
-    k64 = x.k[0].double()
-    k64 = (k64 * torch.rsqrt(k64.square().sum(-1, keepdim=True) + 1e-6)).repeat_interleave(HV // H, dim=1)
+    k64 = l2norm_ref(x.k[0].double()).repeat_interleave(HV // H, dim=1)
     fk = (x.beta[0].double() * ref["g_cum"][0].exp())[..., None] * k64                  # [T, HV, K]
     fv = x.beta[0].double()[..., None] * x.v[0].double()
     w_ref, u_ref = torch.zeros_like(fk), torch.zeros_like(fv)
