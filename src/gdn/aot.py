@@ -182,7 +182,28 @@ def _scenarios():
         x, z = rnd(64, HV, V, dtype=dtype, grad=True), rnd(64, HV, V, dtype=dtype, grad=True)
         gated_rms_norm(x, z, torch.rand(V, dtype=dtype, requires_grad=True)).float().sum().backward()
 
+    def decode_step(state_dtype, layout, R):
+        from gdn.kernels.decode_step import layer_decode_step
+
+        N, Hk, D, W = 3, 2, 2 * 2 * K + 2 * R * V, 4
+        HVk = Hk * R
+        proj = rnd(N, Hk, 2 * K + 2 * R * V)
+        ba = rnd(N, Hk, 2 * R)
+        q, k, v, z = torch.split(proj, [K, K, R * V, R * V], dim=-1)
+        b, a = torch.split(ba, [R, R], dim=-1)
+        shape = (HVk, K, V) if layout == "v_last" else (HVk, V, K)
+        layer_decode_step(q, k, v, z, b, a, rnd(D, W), None, torch.randn(N + 1, D, W - 1).to(state_dtype),
+                          torch.rand(HVk), torch.rand(HVk), torch.rand(V), torch.tensor([2, -1, 0]),
+                          torch.randn(N + 1, *shape).to(state_dtype), rnd(N, HVk, V),
+                          torch.zeros((N + 1) * HVk, dtype=torch.int64), scale=K ** -0.5, eps=1e-6,
+                          k_last=layout == "k_last")
+
     out = []
+    # the fused layer decode step: every decode_step table row (state dtype x layout), 1 and 2 value heads per key head
+    for sd in (torch.float32, torch.bfloat16):
+        for layout in ("v_last", "k_last"):
+            for R in (1, 2):
+                out.append((f"decode step {sd} {layout} R={R}", lambda sd=sd, lo=layout, R=R: decode_step(sd, lo, R)))
     for dtype in (torch.bfloat16, torch.float32):
         for layout in ("v_last", "k_last"):
             out.append((f"chunk train {dtype} {layout}", lambda d=dtype, lo=layout: chunk(d, lo, True, False, True,

@@ -7,10 +7,11 @@ Tuning overrides (every field of the tables in :mod:`gdn.kernels.tuning`)::
     GDN_TUNE=chunk_fwd.state_stages=3,chunk_bwd.dh_stages=3
     GDN_TUNE=decode.BV=32,decode.warps=2,decode.stages=3,decode.tiles=4
 
-``family`` is one of ``chunk_fwd``, ``chunk_bwd``, ``decode``, ``recurrent``; ``value`` is converted to the type of
-the field's default (integer, float, ``true``/``false``, or a word such as ``tf32``). The variable is read at every
-launch (parsed once per distinct value), so a process may change it between calls. A malformed item, an unknown
-family or key, or a value of the wrong type raises ValueError naming ``GDN_TUNE`` and the item before any kernel runs.
+``family`` is one of ``chunk_fwd``, ``chunk_bwd``, ``decode``, ``recurrent``, ``decode_step``; ``value`` is converted
+to the type of the field's default (integer, float, ``true``/``false``, or a word such as ``tf32``). The variable is
+read at every launch (parsed once per distinct value), so a process may change it between calls. A malformed item, an
+unknown family or key, or a value of the wrong type raises ValueError naming ``GDN_TUNE`` and the item before any
+kernel runs.
 In Python, :func:`gdn.kernels.tuning.override` does the same for a ``with`` block.
 
 Other variables (not tuning): ``GDN_BACKEND`` (:mod:`gdn.backend`), ``GDN_SKIP_VALUE_CHECKS``
@@ -22,7 +23,7 @@ import os
 from typing import Dict, Tuple
 
 ENV = "GDN_TUNE"
-FAMILIES = ("chunk_fwd", "chunk_bwd", "decode", "recurrent")
+FAMILIES = ("chunk_fwd", "chunk_bwd", "decode", "recurrent", "decode_step")
 
 _PARSED: Dict[str, Dict[str, Dict[str, str]]] = {}
 

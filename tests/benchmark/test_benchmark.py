@@ -399,11 +399,19 @@ def test_layer_decode_runner(monkeypatch):
     assert row["fla_ms"] is None and "not timed" in row["errors"]["fla"]
     assert row["flashinfer_ms"] is None and "no GDN layer" in row["errors"]["flashinfer"]
     assert "16-token prefill" in row["notes"][0] and "fp32 recurrent and conv states" in row["notes"][0]
+    # a step that does not write the conv state back, in the fused step (the default here) and in the separate kernels
+    from gdn.kernels import decode_step, tuning
+
+    step = decode_step.layer_decode_step
+    monkeypatch.setattr(decode_step, "layer_decode_step",
+                        lambda *a, **k: step(*a[:8], a[8].clone(), *a[9:], **k))   # a[8]: the conv pool
     update = gdn.ops.causal_conv1d_update
     monkeypatch.setattr(gdn.ops, "causal_conv1d_update", lambda x, st, *a, **k: update(x, st.clone(), *a, **k))
-    row = runners.run_case(c, runners.Ctx(torch.device("cpu"), ctx.timer, 1 << 13, frozenset(), check_seqs=2))
-    det = row["err_detail"]["gdn"]
-    assert row["n_sets"] == 1 and det["conv_state"] > 0.1 and det["out"] < 2e-2 and det["ssm_state"] < 2e-2
+    for fused in (True, False):
+        with tuning.override("decode_step", fused=fused):
+            row = runners.run_case(c, runners.Ctx(torch.device("cpu"), ctx.timer, 1 << 13, frozenset(), check_seqs=2))
+        det = row["err_detail"]["gdn"]
+        assert row["n_sets"] == 1 and det["conv_state"] > 0.1 and det["out"] < 2e-2 and det["ssm_state"] < 2e-2
 
 
 def test_wrong_result_shows_in_the_error_column(fakes, monkeypatch):

@@ -241,3 +241,73 @@ def test_unpack_kernel_equals_plain_unpacking(H, HV, K, V):
     for g, p in zip(got, plain):
         assert g.shape == p.shape and g.is_contiguous()
         assert torch.equal(g, p)
+
+
+@pytest.mark.parametrize("projection,H,HV,K,V,W,conv_bias,state_dtype,layout", [
+    ("qwen3_next", 2, 4, 16, 16, 4, False, torch.float32, "v_last"),
+    ("qwen3_next", 1, 4, 32, 16, 2, True, torch.float32, "k_last"),
+    ("qwen3_5", 2, 2, 16, 32, 3, True, torch.bfloat16, "k_last"),
+    ("qwen3_next", 2, 6, 16, 24, 4, False, torch.bfloat16, "v_last"),   # V not a power of two, 3 heads per key head
+])
+def test_fused_decode_step_equals_unfused(projection, H, HV, K, V, W, conv_bias, state_dtype, layout):
+    """The one-launch decode step (gdn.kernels.decode_step) against the separate conv / decode / norm kernels from
+    equal pools: outputs and recurrent pools to rounding, conv pools bitwise; a padding sequence outputs zeros and
+    every row it does not own stays bitwise untouched; and against the float64 block over the whole sequence."""
+    from gdn.kernels import tuning
+
+    layer = make_layer(projection, H=H, HV=HV, K=K, V=V, conv_size=W, conv_bias=conv_bias)
+    n, m = 7, 3
+    x = torch.randn(2, n + m, 32, device=DEV)
+    pad_x = torch.randn(1, m, 32, device=DEV)
+    runs = []
+    for fused in (True, False):
+        cache = GDNCache.for_layers(layer, num_slots=5, dtype=state_dtype, state_layout=layout)
+        slots = cache.allocate(5)[torch.tensor([3, 1])]
+        step_slots = torch.cat([slots[:1], slots.new_full((1,), -1), slots[1:]])
+        with tuning.override("decode_step", fused=fused):
+            layer(x[:, :n], cache=cache.batch(slots))
+            conv0, ssm0 = cache.conv_states.clone(), cache.ssm_states.clone()
+            ys = [layer(torch.cat([x[:1, t:t + 1], pad_x[:, t - n:t - n + 1], x[1:, t:t + 1]]),
+                        cache=cache.batch(step_slots)) for t in range(n, n + m)]
+        runs.append((torch.cat(ys, 1), cache, conv0, ssm0))
+    (y, cache, conv0, ssm0), (y_u, cache_u, _, _) = runs
+    tol = 1e-5 if state_dtype == torch.float32 else 1e-2
+    assert rel_err(y, y_u) < tol
+    assert rel_err(cache.ssm_states, cache_u.ssm_states) < tol
+    assert torch.equal(cache.conv_states, cache_u.conv_states)
+    assert torch.equal(y[1], torch.zeros_like(y[1]))
+    others = [i for i in range(cache.num_slots + 1) if i not in (1, 3)]
+    assert torch.equal(cache.conv_states[:, others], conv0[:, others])
+    assert torch.equal(cache.ssm_states[:, others], ssm0[:, others])
+    y_ref, _, _ = gated_deltanet_ref(layer, x)
+    assert rel_err(y[[0, 2]], y_ref[:, n:]) < (1e-4 if state_dtype == torch.float32 else 2e-2)
+
+
+def test_inference_steps_pack_the_in_projections():
+    """The first inference step stores the in-projection weights back to back (one GEMM per step): the same
+    Parameters and values, state_dict unchanged; a weight replaced later is packed again; a hooked projection is
+    called instead (never packed)."""
+    layer = make_layer()
+    params = dict(layer.named_parameters())
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    x = torch.randn(3, 1, 32, device=DEV)
+    cache = GDNCache.for_layers(layer, num_slots=3)
+    y = layer(x, cache=cache)
+    wq, wba = layer.in_proj_qkvz.weight, layer.in_proj_ba.weight
+    assert wba.data_ptr() == wq.data_ptr() + wq.numel() * wq.element_size()
+    assert dict(layer.named_parameters()) == params
+    assert all(torch.equal(v, state[k]) for k, v in layer.state_dict().items())
+    with torch.no_grad():
+        layer.in_proj_ba.weight.data = layer.in_proj_ba.weight.detach().clone()   # replaced: no longer adjacent
+    cache2 = GDNCache.for_layers(layer, num_slots=3)
+    cache2.conv_states.copy_(cache.conv_states), cache2.ssm_states.copy_(cache.ssm_states)
+    cache.conv_states.zero_(), cache.ssm_states.zero_()
+    cache2.conv_states.zero_(), cache2.ssm_states.zero_()
+    y1 = layer(x, cache=cache)
+    wq, wba = layer.in_proj_qkvz.weight, layer.in_proj_ba.weight
+    assert wba.data_ptr() == wq.data_ptr() + wq.numel() * wq.element_size()
+    assert rel_err(y1, y) < 1e-6
+    calls = []
+    layer.in_proj_ba.register_forward_hook(lambda m, i, o: calls.append(1))
+    layer(x, cache=cache2)
+    assert calls == [1]

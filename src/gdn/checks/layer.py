@@ -2,6 +2,7 @@
 the cached paths: prefill + decode == one full forward, speculative verify == plain decode."""
 import torch
 
+from ..kernels import tuning
 from ..layers import GatedDeltaNet, GDNCache, gated_deltanet_ref
 from ..testing import rel_err
 from . import Result, register
@@ -13,10 +14,12 @@ def _cfg(device):
     return dict(hidden=32, H=2, HV=4, K=16, V=16, B=2, T=20, n=14, m=3, lens=[1, 6, 0, 9])
 
 
-def _layer(c, device, projection="qwen3_next", dtype=torch.float32):
-    layer = GatedDeltaNet(c["hidden"], c["H"], c["HV"], c["K"], c["V"], projection=projection).to(device, dtype)
+def _layer(c, device, projection="qwen3_next", dtype=torch.float32, **kw):
+    layer = GatedDeltaNet(c["hidden"], c["H"], c["HV"], c["K"], c["V"], projection=projection, **kw).to(device, dtype)
     with torch.no_grad():
         layer.norm.weight.uniform_(0.5, 1.5)
+        if layer.conv1d.bias is not None:
+            layer.conv1d.bias.normal_(0, 0.2)
     return layer
 
 
@@ -77,6 +80,52 @@ def layer_prefill_decode(device):
             ys += [layer(x[:, t:t + 1], cache=cache.batch(slots)) for t in range(n, n + m)]
         out.append(Result("layer", f"prefill+decode == full ({str(state_dtype)[6:]} state)",
                           rel_err(torch.cat(ys, 1), full), tol))
+    return out
+
+
+@register
+def layer_decode_step(device):
+    """The fused decode step (:mod:`gdn.kernels.decode_step`, one launch after the in-projections) of a prefilled
+    cache against the float64 block over the whole sequence and against the unfused kernels, for both projections,
+    state dtypes and layouts; a padding sequence (slot -1) in every step must output zeros and leave every pool row
+    it does not own bitwise unchanged."""
+    c = _cfg(device)
+    B, n, m = c["B"], c["n"], c["m"]
+    out = []
+    for projection, bias in (("qwen3_next", False), ("qwen3_5", True)):
+        for state_dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+            for layout in ("v_last", "k_last"):
+                layer = _layer(c, device, projection, conv_bias=bias)
+                x = torch.randn(B, n + m, c["hidden"], device=device)
+                pad = torch.randn(1, m, c["hidden"], device=device)
+                caches, ys = [], []
+                for fused in (True, False):
+                    cache = GDNCache.for_layers(layer, num_slots=B + 2, dtype=state_dtype, state_layout=layout)
+                    slots = cache.allocate(B + 2)[[3, 0]][:B]
+                    step_slots = torch.cat([slots, slots.new_full((1,), -1)])
+                    with torch.no_grad(), tuning.override("decode_step", fused=fused):
+                        layer(x[:, :n], cache=cache.batch(slots))
+                        before = (cache.conv_states.clone(), cache.ssm_states.clone())
+                        y = [layer(torch.cat([x[:, t:t + 1], pad[:, t - n:t - n + 1]]), cache=cache.batch(step_slots))
+                             for t in range(n, n + m)]
+                    caches.append((cache, before, slots))
+                    ys.append(torch.cat(y, 1))
+                with torch.no_grad():
+                    y_ref, _, _ = gated_deltanet_ref(layer, x)
+                name = f"{projection} {str(state_dtype)[6:]} {layout}"
+                out.append(Result("layer", f"decode step fused vs float64 ({name})", rel_err(ys[0][:B], y_ref[:, n:]),
+                                  tol))
+                out.append(Result("layer", f"decode step fused == unfused ({name})", rel_err(ys[0], ys[1]), tol))
+                out.append(Result("layer", f"decode step conv pool fused == unfused, bitwise ({name})",
+                                  0.0 if torch.equal(caches[0][0].conv_states, caches[1][0].conv_states) else 1.0,
+                                  0.0))
+                cache, (conv0, ssm0), slots = caches[0]
+                others = [i for i in range(cache.num_slots + 1) if i not in slots.tolist()]
+                same = (torch.equal(cache.conv_states[:, others], conv0[:, others])
+                        and torch.equal(cache.ssm_states[:, others], ssm0[:, others])
+                        and not ys[0][B:].any())
+                out.append(Result("layer", f"decode step padding: zeros, other rows untouched ({name})",
+                                  0.0 if same else 1.0, 0.0))
     return out
 
 

@@ -137,6 +137,16 @@ class Recurrent:
     stages: int
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """Fused layer decode step (:mod:`gdn.kernels.decode_step`): V tile of the state walk, warps, pipeline stages of
+    the tile loop; ``fused`` False runs the layer's step as separate kernels (conv update, decode, gated norm)."""
+    BV: int
+    warps: int
+    stages: int
+    fused: bool = True
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the tables: {capability: row} or {(capability, shape class): row}
 # ----------------------------------------------------------------------------------------------------------------------
@@ -158,12 +168,23 @@ TABLES: Dict[str, dict] = {
         ("default", "half_state_vlast"): Decode(64, 2, 3, 4),
         ("default", "half_state_many_vlast"): Decode(64, 2, 3, 4),
     },
+    # one program per (sequence, value head), its state walked in BV-column tiles; shape class by the state's bytes
+    # per element and layout. H200 sweep of BV x warps x stages, layer step at N = 256 (CUDA graph, bench/NOTES.md):
+    # fp32 v_last 338 -> 328 us, k_last 336 -> 336, bf16 k_last 210 -> 205; bf16 v_last lost (best 239 vs 233 us
+    # unfused): separate kernels there
+    "decode_step": {
+        ("default", "fp32_vlast"): DecodeStep(64, 4, 1),
+        ("default", "fp32_klast"): DecodeStep(32, 4, 1),
+        ("default", "half_vlast"): DecodeStep(32, 2, 3, fused=False),
+        ("default", "half_klast"): DecodeStep(32, 4, 1),
+    },
     "recurrent": {
         ("default", "few_heads"): Recurrent(8, 1, 1),          # N * HV < 2048: one-warp 8-column programs
         ("default", "many_heads"): Recurrent(16, 2, 2),        # 16-column tiles, token loop pipelined 2 deep
     },
 }
-_ROW_TYPES = {"chunk_fwd": ChunkForward, "chunk_bwd": ChunkBackward, "decode": Decode, "recurrent": Recurrent}
+_ROW_TYPES = {"chunk_fwd": ChunkForward, "chunk_bwd": ChunkBackward, "decode": Decode, "recurrent": Recurrent,
+              "decode_step": DecodeStep}
 
 _OVERRIDES: List[Tuple[str, dict]] = []
 _GENERATION = [0]   # bumped whenever the override stack changes (cache key)
@@ -224,7 +245,7 @@ def _apply(family: str, row, items: dict, source: str):
 
 
 def _check(family: str, row, source: str):
-    if family in ("decode", "recurrent"):
+    if family in ("decode", "recurrent", "decode_step"):
         bv, warps, stages = row.BV, row.warps, row.stages
         tiles = getattr(row, "tiles", 1)
         if bv < 1 or bv & (bv - 1) or warps < 1 or warps & (warps - 1) or stages < 1 or tiles < 1:
@@ -284,5 +305,5 @@ def chunk_bwd(device=None) -> ChunkBackward:
     return lookup("chunk_bwd", device)
 
 
-__all__ = ["ChunkForward", "ChunkBackward", "Decode", "Recurrent", "TABLES", "lookup", "override", "capability",
-           "chunk_fwd", "chunk_bwd"]
+__all__ = ["ChunkForward", "ChunkBackward", "Decode", "Recurrent", "DecodeStep", "TABLES", "lookup", "override",
+           "capability", "chunk_fwd", "chunk_bwd"]

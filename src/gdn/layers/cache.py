@@ -95,6 +95,9 @@ class GDNCache:
         self.conv_states = torch.zeros(L, P1, self.conv_dim, self.conv_size - 1, dtype=conv_dtype or dtype,
                                        device=device)
         self.ssm_states = torch.zeros((L, P1) + state, dtype=dtype, device=device)
+        # per (slot, key head): arrivals of the fused decode step's programs (gdn.kernels.decode_step), counted
+        # modulo the value heads per key head; never reset (every step adds a multiple of that), shared by the layers
+        self.step_counters = torch.zeros(P1 * self.num_v_heads, dtype=torch.int64, device=device)
         # per slot (the first slot of a speculative row): accepted tokens of the last committed 2-D step
         self.num_accepted = torch.ones(P1, dtype=torch.int32, device=device)
         self._free: List[int] = list(range(self.num_slots))

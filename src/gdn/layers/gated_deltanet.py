@@ -205,11 +205,12 @@ class GatedDeltaNet(nn.Module):
         if self.projection == "qwen3_next" and dtype is None:
             # few tokens: the activations are put into Q|K|V|Z (and B|A) order: by one unpacking kernel without
             # autograd (decode steps), else by one index_select each (outputs are views; b, a strided)
-            qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
-            if not (torch.is_grad_enabled() and (qkvz.requires_grad or ba.requires_grad)) and use_triton(x.device):
+            if not torch.is_grad_enabled() and use_triton(x.device):
                 from ..kernels.unpack import unpack_qkvz_ba
 
-                return unpack_qkvz_ba(qkvz, ba, H, HV, K, V)
+                qkvz, ba = self._inference_projections(x)
+                return unpack_qkvz_ba(qkvz.view(B, T, -1), ba.view(B, T, -1), H, HV, K, V)
+            qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
             pq, pba = self._packed_row_order(x.device)
             mixed, z = torch.split(qkvz.index_select(-1, pq), [self.conv_dim, HV * V], dim=-1)
             b, a = torch.split(ba.index_select(-1, pba), [HV, HV], dim=-1)
@@ -223,6 +224,59 @@ class GatedDeltaNet(nn.Module):
         mixed = lin(self.in_proj_qkv)
         z = lin(self.in_proj_z).view(B, T, HV, V)
         return mixed, z, lin(self.in_proj_b), lin(self.in_proj_a)
+
+    def _in_proj_modules(self) -> Tuple[nn.Module, ...]:
+        if self.projection == "qwen3_next":
+            return self.in_proj_qkvz, self.in_proj_ba
+        return self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+
+    def _inference_projections(self, x: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+        """The in-projections of ``x [B, T, hidden]`` for an inference step (no autograd), each ``[B T, out]``
+        (contiguous rows): one GEMM where the weights lie back to back in memory (:meth:`_packed_in_proj_weight`),
+        else one call per module."""
+        mods = self._in_proj_modules()
+        x2 = x.reshape(-1, x.shape[-1])
+        w = self._packed_in_proj_weight(mods)
+        if w is None:
+            return tuple(m(x2) for m in mods)
+        return torch.split(F.linear(x2, w), [m.out_features for m in mods], dim=-1)
+
+    def _packed_in_proj_weight(self, mods) -> Optional[torch.Tensor]:
+        """``[sum out, hidden]`` view over the in-projection weights when they are stored back to back, so that a
+        decode step runs one GEMM instead of two (four); the 2048 x 64 ``ba`` product alone costs ~5 us at N = 256.
+        The first inference step (outside CUDA-graph capture) packs plain bias-free weights (one dtype and device,
+        each owning its storage or in the buffer packed before: not a view into someone's flat parameter) into one
+        buffer of which the Parameters' data become views: same Parameters, same values, no extra memory. A weight
+        replaced later (``.to()``, loading with ``assign``) is packed again; None where the modules or weights do not
+        allow it."""
+        ws = [m.weight for m in mods]
+        if torch.compiler.is_compiling() or not all(_plain_linear(m) and type(w) is nn.Parameter
+                                                    for m, w in zip(mods, ws)):
+            return None
+        w0 = ws[0]
+        if any(w.dtype != w0.dtype or w.device != w0.device or w.dim() != 2 or w.shape[1] != w0.shape[1]
+               or not w.is_contiguous() for w in ws):
+            return None
+        rows, off = sum(w.shape[0] for w in ws), 0
+        for w in ws:
+            if w.data_ptr() != w0.data_ptr() + off * w0.element_size():
+                break
+            off += w.numel()
+        else:
+            if w0.untyped_storage().nbytes() >= w0.storage_offset() * w0.element_size() + off * w0.element_size():
+                return torch.as_strided(w0.detach(), (rows, w0.shape[1]), (w0.shape[1], 1))
+        ours = self.__dict__.get("_in_proj_storage")    # data_ptr of the buffer this method packed last
+        owns = all(w.untyped_storage().data_ptr() == ours or (
+            w.storage_offset() == 0 and w.untyped_storage().nbytes() == w.numel() * w.element_size()) for w in ws)
+        if not owns or torch.is_grad_enabled() or (w0.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None
+        buf = torch.cat([w.detach() for w in ws])
+        off = 0
+        for m, w in zip(mods, ws):
+            m.weight.data = buf[off:off + w.shape[0]]
+            off += w.shape[0]
+        self.__dict__["_in_proj_storage"] = buf.untyped_storage().data_ptr()
+        return buf
 
     def _packed_row_order(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
         """Row indices that reorder ``in_proj_qkvz`` (grouped per key head h: ``q_h | k_h | v_h | z_h``) into
@@ -306,12 +360,27 @@ class GatedDeltaNet(nn.Module):
 
     def _forward(self, x, batch: Optional[GDNCacheBatch], cu_seqlens, mode):
         B, T = x.shape[:2]
-        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         if self.tp_group is not None:
             from ..distributed.tensor_parallel import copy_to_tensor_parallel_region
 
             x = copy_to_tensor_parallel_region(x, self.tp_group)
 
+        if batch is not None and self._fused_step(x, batch, cu_seqlens, mode):
+            o = self._decode_step(x, batch)      # already through the gated norm
+        else:
+            o = self._mix(x, batch, cu_seqlens, mode)
+        out = self.out_proj(o.reshape(B, T, self.value_dim))
+        if self.tp_group is not None:
+            from ..distributed.tensor_parallel import reduce_from_tensor_parallel_region
+
+            out = reduce_from_tensor_parallel_region(out, self.tp_group)
+        return out
+
+    def _mix(self, x, batch: Optional[GDNCacheBatch], cu_seqlens, mode) -> torch.Tensor:
+        """In-projections, conv, the gated delta rule (chunked / recurrent / verify / context-parallel) and the gated
+        norm as separate kernels: the normed ``o [B, T, HV, V]``."""
+        B, T = x.shape[:2]
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
         mixed, z, b, a = self._project(x)
         w, bias = self.conv_weight, self.conv1d.bias
         if self.cp_group is not None:
@@ -340,13 +409,46 @@ class GatedDeltaNet(nn.Module):
                     A_log=self.A_log, a=a, dt_bias=self.dt_bias, b=b)
             else:
                 o = self._chunk(y, a, b, cu_seqlens, ssm_pool, batch)
-        o = self.norm(o, z)
-        out = self.out_proj(o.reshape(B, T, self.value_dim))
-        if self.tp_group is not None:
-            from ..distributed.tensor_parallel import reduce_from_tensor_parallel_region
+        return self.norm(o, z)
 
-            out = reduce_from_tensor_parallel_region(out, self.tp_group)
-        return out
+    def _fused_step(self, x, batch: GDNCacheBatch, cu_seqlens, mode) -> bool:
+        """Whether this cached step runs as one fused kernel (:mod:`gdn.kernels.decode_step`): one token per sequence
+        (``T == 1``, no ``cu_seqlens``), 1-D slots, the Triton backend, the layer's own gated norm, not traced by
+        torch.compile, the ``decode_step`` tuning row's ``fused`` switch on (for the state's dtype and layout)."""
+        if (x.shape[1] != 1 or cu_seqlens is not None or mode == "prefill" or batch.speculative
+                or self.cp_group is not None or not isinstance(self.norm, GatedRMSNorm) or not use_triton(x.device)
+                or torch.compiler.is_compiling()):   # traced programs keep the registered custom ops
+            return False
+        from ..kernels import tuning
+
+        c = batch.cache
+        pool = c.ssm_pool(self.layer_idx)
+        cls = ("fp32" if pool.element_size() >= 4 else "half") + ("_klast" if c.state_layout == "k_last" else "_vlast")
+        return tuning.lookup("decode_step", x.device, cls).fused
+
+    def _decode_step(self, x, batch: GDNCacheBatch) -> torch.Tensor:
+        """One decode token per sequence through :func:`gdn.kernels.decode_step.layer_decode_step`: the projections
+        are read in place (strided views of the GEMM outputs), conv + L2 norm + gates + state update + gated norm in
+        one launch. Returns the normed ``o [N, HV, V]`` (the out-projection's input)."""
+        from ..kernels.decode_step import layer_decode_step
+
+        N = x.shape[0]
+        H, HV, K, V = self.local_num_k_heads, self.local_num_v_heads, self.head_k_dim, self.head_v_dim
+        r = HV // H
+        proj = self._inference_projections(x)     # [N, out] row views of the GEMM output
+        if self.projection == "qwen3_next":        # per key head: q_h | k_h | v_h | z_h and b_h | a_h
+            q, k, v, z = torch.split(proj[0].view(N, H, -1), [K, K, r * V, r * V], dim=-1)
+            b, a = torch.split(proj[1].view(N, H, -1), [r, r], dim=-1)
+        else:                                      # Q | K | V, then z, b, a
+            q, k, v = torch.split(proj[0], [H * K, H * K, HV * V], dim=-1)
+            q, k, v = q.view(N, H, K), k.view(N, H, K), v.view(N, H, r * V)
+            z, b, a = (t.view(N, H, -1) for t in proj[1:])
+        c, slots = batch.cache, batch.slots
+        y = torch.empty(N, HV, V, dtype=x.dtype, device=x.device)
+        return layer_decode_step(q, k, v, z, b, a, self.conv_weight, self.conv1d.bias, c.conv_pool(self.layer_idx),
+                                 self.A_log, self.dt_bias, self.norm.weight, slots, c.ssm_pool(self.layer_idx), y,
+                                 c.step_counters, scale=K ** -0.5, eps=self.norm.eps,
+                                 k_last=c.state_layout == "k_last")
 
     def _cp_forward(self, mixed, a, b, cu_seqlens):
         """This rank's slice of conv + gated delta rule under context parallelism (slice lengths found once)."""
