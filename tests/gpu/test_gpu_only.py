@@ -145,3 +145,34 @@ def test_varlen_prefill_cuda_graph_replay():
     o_e = call(pool_e)
     assert torch.equal(o_g, o_e)
     assert torch.equal(pool_g, pool_e)
+
+
+@pytest.mark.parametrize("state_dtype,layout", [(torch.float32, "v_last"), (torch.bfloat16, "k_last"),
+                                                (torch.bfloat16, "v_last")])
+def test_layer_decode_step_cuda_graph_replay(state_dtype, layout):
+    """One cached decode step of the GatedDeltaNet layer (the fused step where the decode_step table takes it)
+    captured in a CUDA graph: replays with new inputs equal eager steps on a copy of the cache, bitwise."""
+    from gdn.layers import GatedDeltaNet, GDNCache
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(256, 2, 4, 128, 128, device="cuda", dtype=torch.bfloat16).eval()
+    N = 6
+    cache = GDNCache.for_layers(layer, num_slots=N + 2, dtype=state_dtype, state_layout=layout)
+    slots = cache.allocate(N + 2)[2:].clone()
+    slots[1] = -1
+    x = torch.randn(N, 1, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        layer(torch.randn(N, 5, 256, device="cuda", dtype=torch.bfloat16), cache=cache.batch(slots))
+        layer(x, cache=cache.batch(slots))   # warm-up outside capture (compiles, packs the in-projections)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = layer(x, cache=cache.batch(slots))
+        twin = GDNCache.for_layers(layer, num_slots=N + 2, dtype=state_dtype, state_layout=layout)
+        for _ in range(3):
+            x.copy_(torch.randn_like(x))
+            twin.conv_states.copy_(cache.conv_states), twin.ssm_states.copy_(cache.ssm_states)
+            y_eager = layer(x, cache=twin.batch(slots))
+            g.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, y_eager)
+            assert torch.equal(cache.conv_states, twin.conv_states) and torch.equal(cache.ssm_states, twin.ssm_states)
