@@ -40,7 +40,7 @@ def _conv_load(src, pool_row, conv_w, chan, m, valid, s_cd, s_cw, s_wd, s_ww, W:
     b_x = tl.load(src, mask=m, other=0.0).to(tl.float32)
     acc = b_x * tl.load(conv_w + chan * s_wd + (W - 1) * s_ww, mask=m, other=0.0).to(tl.float32)
     for j in tl.static_range(W - 1):
-        s_j = tl.load(pool_row + chan * s_cd + j * s_cw, mask=m & valid, other=0.0).to(tl.float32)
+        s_j = tl.load(pool_row + chan * s_cd + j * s_cw, mask=tl.where(valid, m, False), other=0.0).to(tl.float32)
         acc += s_j * tl.load(conv_w + chan * s_wd + j * s_ww, mask=m, other=0.0).to(tl.float32)
     return acc, b_x
 
@@ -49,11 +49,12 @@ def _conv_load(src, pool_row, conv_w, chan, m, valid, s_cd, s_cw, s_wd, s_ww, W:
 def _conv_shift(pool_row, chan, b_x, m, ok, s_cd, s_cw, W: tl.constexpr):
     """Store the shifted window (columns 1 .. W - 2 of the old window, then x) into the pool row where ``ok``. Must
     follow a CTA barrier after every load of the old window (the columns are re-read here, then overwritten)."""
+    m_ok = tl.where(ok, m, False)
     for j in tl.static_range(W - 2):
-        s_n = tl.load(pool_row + chan * s_cd + (j + 1) * s_cw, mask=m & ok, other=0.0)
+        s_n = tl.load(pool_row + chan * s_cd + (j + 1) * s_cw, mask=m_ok, other=0.0)
         tl.debug_barrier()
-        tl.store(pool_row + chan * s_cd + j * s_cw, s_n, mask=m & ok)
-    tl.store(pool_row + chan * s_cd + (W - 2) * s_cw, b_x.to(pool_row.dtype.element_ty), mask=m & ok)
+        tl.store(pool_row + chan * s_cd + j * s_cw, s_n, mask=m_ok)
+    tl.store(pool_row + chan * s_cd + (W - 2) * s_cw, b_x.to(pool_row.dtype.element_ty), mask=m_ok)
 
 
 @triton.jit
