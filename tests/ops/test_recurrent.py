@@ -221,7 +221,9 @@ def test_decode_matches_seed_formula(layout, state_dtype):
     ro, rs = decode_ref(*to64(x.q, x.k, x.v), before.double(), *to64(x.A_log, x.a, x.dt_bias, x.b),
                         use_qk_l2norm=True, state_layout=layout)
     tol = 1e-2 if state_dtype == torch.bfloat16 else 5e-3
-    assert rel_err(o, ro) < tol and rel_err(st.float(), rs) < tol
+    # o is bf16 in both cases: Triton's interpreter casts fp32 -> bf16 by truncation (up to 2^-7 relative per
+    # element; a Triton 3.9 CI run measured 5.04e-3 norm-wise with an fp32 state), so o gets the bf16 tolerance
+    assert rel_err(o, ro) < 1e-2 and rel_err(st.float(), rs) < tol
 
 
 def test_decode_pool_padding_and_output_buffer():
