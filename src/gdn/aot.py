@@ -185,8 +185,9 @@ def _scenarios():
     def decode_step(state_dtype, layout, R):
         from gdn.kernels.decode_step import layer_decode_step
 
-        N, Hk, D, W = 3, 2, 2 * 2 * K + 2 * R * V, 4
+        N, Hk, W = 3, 2, 4
         HVk = Hk * R
+        D = 2 * Hk * K + HVk * V
         proj = rnd(N, Hk, 2 * K + 2 * R * V)
         ba = rnd(N, Hk, 2 * R)
         q, k, v, z = torch.split(proj, [K, K, R * V, R * V], dim=-1)

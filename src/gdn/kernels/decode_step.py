@@ -29,7 +29,7 @@ import triton.language as tl
 
 from . import tuning
 from .common import gdn_gate_value, next_pow2, sigmoid
-from .recurrent import _delta_rule, _state_offsets
+from .recurrent import _delta_rule, _l2_normalize, _state_offsets, state_tile_BV
 
 
 @triton.jit
@@ -125,8 +125,8 @@ def layer_decode_step_kernel(
     b_q = _conv_out(acc_q, conv_b, ch_q, m_k, HAS_BIAS)
     b_k = _conv_out(acc_k, conv_b, HK + ch_q, m_k, HAS_BIAS)
     v_all = _conv_out(acc_v, conv_b, ch_v, m_e, HAS_BIAS)
-    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6) * scale
-    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+    b_q = _l2_normalize(b_q) * scale
+    b_k = _l2_normalize(b_k)
     tl.debug_barrier()   # every window load of this program is done before any window store (and the count)
     _conv_shift(row_c, ch_v, x_vv, m_e, valid, s_cd, s_cw, W)
     last = valid
@@ -156,14 +156,15 @@ def layer_decode_step_kernel(
     tl.store(y + (i_n * HV + i_hv) * V + e2, tl.where(valid, b_y, 0.0).to(y.dtype.element_ty), mask=m_e)
 
 
-def _config(N: int, H: int, K: int, V: int, state_bytes: int, k_last: bool, device) -> tuple:
-    """(BV, TILES, num_warps, num_stages) from the ``decode_step`` tuning table (shape class: the state's bytes per
-    element and layout); BV capped by V and by the register budget of a [K, BV] fp32 tile."""
-    cls = ("fp32" if state_bytes >= 4 else "half") + ("_klast" if k_last else "_vlast")
-    row = tuning.lookup("decode_step", device, cls)
-    BV = min(row.BV, next_pow2(V))
-    while BV > 8 and BV * next_pow2(K) > 128 * 128:
-        BV //= 2
+def shape_class(state_bytes: int, k_last: bool) -> str:
+    """The ``decode_step`` table's shape class: the state's storage (fp32 or half) and layout."""
+    return ("fp32" if state_bytes >= 4 else "half") + ("_klast" if k_last else "_vlast")
+
+
+def _config(K: int, V: int, state_bytes: int, k_last: bool, device) -> tuple:
+    """(BV, TILES, num_warps, num_stages) from the ``decode_step`` tuning table; BV capped as in the decode kernel."""
+    row = tuning.lookup("decode_step", device, shape_class(state_bytes, k_last))
+    BV = state_tile_BV(row.BV, K, V)
     return BV, triton.cdiv(next_pow2(V), BV), row.warps, row.stages
 
 
@@ -179,7 +180,7 @@ def layer_decode_step(q, k, v, z, b, a, conv_weight, conv_bias, conv_pool, A_log
     W = conv_weight.shape[1]
     if N == 0:
         return y
-    BV, tiles, warps, stages = _config(N, H, K, V, ssm_pool.element_size(), k_last, q.device)
+    BV, tiles, warps, stages = _config(K, V, ssm_pool.element_size(), k_last, q.device)
     xs = (q, k, v, z, b, a)
     layer_decode_step_kernel[(N * HV,)](
         *xs, *(t.stride(0) for t in xs), *(t.stride(1) for t in xs),
@@ -192,4 +193,4 @@ def layer_decode_step(q, k, v, z, b, a, conv_weight, conv_bias, conv_pool, A_log
     return y
 
 
-__all__ = ["layer_decode_step", "layer_decode_step_kernel"]
+__all__ = ["layer_decode_step", "layer_decode_step_kernel", "shape_class"]

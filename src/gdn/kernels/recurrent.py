@@ -50,6 +50,12 @@ def _delta_rule(b_s, b_k, b_q, b_v, b_g, b_beta):
 
 
 @triton.jit
+def _l2_normalize(x):
+    """``x * rsqrt(sum(x^2) + 1e-6)`` of a [BK] fp32 vector (``use_qk_l2norm_in_kernel``)."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
+
+
+@triton.jit
 def _step_inputs(p_q, p_k, gate, g, beta, a, b, b_A, b_dtb, scale, m_k, GATE_RAW: tl.constexpr,
                  BETA_MODE: tl.constexpr, L2NORM: tl.constexpr, gate_ab=None):
     """One token's (q * scale, k) [BK] fp32 (L2-normalised with L2NORM) from the pointer vectors p_q / p_k, and its
@@ -60,8 +66,8 @@ def _step_inputs(p_q, p_k, gate, g, beta, a, b, b_A, b_dtb, scale, m_k, GATE_RAW
     b_q = tl.load(p_q, mask=m_k, other=0.0).to(tl.float32)
     b_k = tl.load(p_k, mask=m_k, other=0.0).to(tl.float32)
     if L2NORM:
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, axis=0) + 1e-6)
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
+        b_q = _l2_normalize(b_q)
+        b_k = _l2_normalize(b_k)
     if GATE_RAW:
         b_g = gdn_gate_value(tl.load(a + gate_ab).to(tl.float32), b_A, b_dtb)
     else:
@@ -328,15 +334,19 @@ def decode_kernel(
                            BK, BV, WRITE_MODE, K_LAST, STORE_CACHE)
 
 
+def state_tile_BV(BV: int, K: int, V: int) -> int:
+    """A table's V tile ``BV`` capped by V and by the register budget of an fp32 [K, BV] state tile (128 x 128)."""
+    BV = min(BV, next_pow2(V))
+    while BV > 8 and BV * next_pow2(K) > 128 * 128:
+        BV //= 2
+    return BV
+
+
 def _recurrent_config(N: int, HV: int, K: int, V: int, device=None) -> tuple:
     """(BV, num_warps, num_stages of the token loop) of the multi-token kernel: the ``recurrent`` tuning table
     (:mod:`gdn.kernels.tuning`; shape class by N * HV), BV capped by V and the register budget."""
     row = tuning.lookup("recurrent", device, "few_heads" if N * HV < 2048 else "many_heads")
-    BV, warps, stages = row.BV, row.warps, row.stages
-    BV = min(BV, next_pow2(V))
-    while BV > 8 and BV * next_pow2(K) > 128 * 128:
-        BV //= 2
-    return BV, warps, stages
+    return state_tile_BV(row.BV, K, V), row.warps, row.stages
 
 
 def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int, device=None, k_last: bool = True) -> tuple:
@@ -354,10 +364,7 @@ def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int, device=Non
     else:
         shape_class = "half_state_many"
     row = tuning.lookup("decode", device, shape_class if k_last else shape_class + "_vlast")
-    BV, warps, stages, tiles = row.BV, row.warps, row.stages, row.tiles
-    BV = min(BV, next_pow2(V))
-    while BV > 8 and BV * next_pow2(K) > 128 * 128:
-        BV //= 2
+    BV, warps, stages, tiles = state_tile_BV(row.BV, K, V), row.warps, row.stages, row.tiles
     nvb = triton.cdiv(V, BV)
     tiles = max(1, min(tiles, nvb))
     while nvb % tiles:

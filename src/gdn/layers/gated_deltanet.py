@@ -420,10 +420,10 @@ class GatedDeltaNet(nn.Module):
                 or torch.compiler.is_compiling()):   # traced programs keep the registered custom ops
             return False
         from ..kernels import tuning
+        from ..kernels.decode_step import shape_class
 
         c = batch.cache
-        pool = c.ssm_pool(self.layer_idx)
-        cls = ("fp32" if pool.element_size() >= 4 else "half") + ("_klast" if c.state_layout == "k_last" else "_vlast")
+        cls = shape_class(c.ssm_pool(self.layer_idx).element_size(), c.state_layout == "k_last")
         return tuning.lookup("decode_step", x.device, cls).fused
 
     def _decode_step(self, x, batch: GDNCacheBatch) -> torch.Tensor:
