@@ -50,6 +50,19 @@ def parse_tune(raw: str) -> Dict[str, Dict[str, str]]:
     return out
 
 
+# os.environ keeps its items in ``_data`` under encoded keys; reading that dict directly costs ~0.1 us against ~1-2 us
+# for os.environ.get (which encodes the key and decodes the value), and tuning lookups read GDN_TUNE at every launch
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_KEY = os.environ.encodekey(ENV) if _ENV_DATA is not None and hasattr(os.environ, "encodekey") else None
+
+
+def tune_raw():
+    """GDN_TUNE as set now, undecoded (bytes or str; empty when unset): a cheap value to compare with the last one."""
+    if _ENV_KEY is not None:
+        return _ENV_DATA.get(_ENV_KEY, b"")
+    return os.environ.get(ENV, "")
+
+
 def tune_overrides(family: str) -> Tuple[str, Dict[str, str]]:
     """(the raw GDN_TUNE string, its ``{key: value-string}`` items for ``family``)."""
     raw = os.environ.get(ENV, "").strip()
@@ -62,4 +75,4 @@ def tune_overrides(family: str) -> Tuple[str, Dict[str, str]]:
     return raw, parsed.get(family, {})
 
 
-__all__ = ["ENV", "FAMILIES", "parse_tune", "tune_overrides", "triton_interpret"]
+__all__ = ["ENV", "FAMILIES", "parse_tune", "tune_raw", "tune_overrides", "triton_interpret"]

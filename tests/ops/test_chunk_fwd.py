@@ -281,6 +281,41 @@ def test_tune_env_var_forces(monkeypatch):
     _check(o, ht, ro, rht, torch.float32)
 
 
+def test_memoised_lookups_and_plans_follow_tuning_changes(monkeypatch):
+    """The host-side memos (tuning rows, the state pass's segment plan) answer anew when GDN_TUNE or an override block
+    changes between calls of one process, and return the same objects while nothing changes."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+    from gdn.kernels.chunk.state import _pass_plan
+
+    dev = torch.device("cpu")
+    ci = prepare_chunk_indices(None, 10 * C, C, 1, device=dev)
+    monkeypatch.setenv("GDN_TUNE", "chunk_fwd.segment_chunks=2")
+    assert tuning.chunk_fwd(dev) is tuning.chunk_fwd(dev)
+    plan = _pass_plan(ci, 2, 16, 16, dev, False, None)[0]
+    assert plan.segmented and plan.S == 5 and _pass_plan(ci, 2, 16, 16, dev, False, None)[0] is plan
+    monkeypatch.setenv("GDN_TUNE", "chunk_fwd.segment_chunks=4")
+    assert tuning.chunk_fwd(dev).segment_chunks == 4 and _pass_plan(ci, 2, 16, 16, dev, False, None)[0].S == 3
+    with tuning.override("chunk_fwd", segment_chunks=-1):
+        assert not _pass_plan(ci, 2, 16, 16, dev, False, None)[0].segmented
+    assert _pass_plan(ci, 2, 16, 16, dev, False, None)[0].S == 3
+    monkeypatch.delenv("GDN_TUNE")
+    assert tuning.chunk_fwd(dev).segment_chunks == tuning.TABLES["chunk_fwd"]["default"].segment_chunks
+
+
+def test_host_integer_helpers_match_triton():
+    """gdn.kernels.common.cdiv / next_pow2 (plain Python, used on the launch path) agree with triton's."""
+    import triton
+
+    from gdn.kernels.common import cdiv, next_pow2
+
+    for n in range(1, 2100):
+        assert next_pow2(n) == triton.next_power_of_2(n)
+        for d in (1, 3, 16, 64, 128):
+            assert cdiv(n, d) == triton.cdiv(n, d)
+    assert cdiv(0, 64) == 0
+
+
 @pytest.mark.parametrize("raw,match", [("chunk_fwd.state_BV", "bad item"), ("chunk.state_BV=16", "unknown family"),
                                        ("chunk_fwd.state_bv=16", "unknown key"),
                                        ("chunk_fwd.state_BV=wide", "expected int"),

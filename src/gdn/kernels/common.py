@@ -22,7 +22,15 @@ def gdn_gate_value(a, A_log, dt_bias):
 
 
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(int(n))
+    """Smallest power of two >= n (1 for n <= 1). Host code: plain Python, because ``triton.next_power_of_2`` /
+    ``triton.cdiv`` are constexpr functions whose host call costs ~5 us each (an import inside every call)."""
+    n = int(n)
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for host integers (see :func:`next_pow2`)."""
+    return -(-int(a) // int(b))
 
 
 def value_heads_per_program(H: int, HV: int, want: int, setting: str) -> int:
@@ -59,6 +67,6 @@ def l2_rnorm(x: torch.Tensor) -> torch.Tensor:
     n = B * T * H
     if n:
         BR = 32
-        l2_rnorm_kernel[(triton.cdiv(n, BR),)](x, r, n, T, x.stride(0), x.stride(1), x.stride(2), H=H, K=K,
+        l2_rnorm_kernel[(cdiv(n, BR),)](x, r, n, T, x.stride(0), x.stride(1), x.stride(2), H=H, K=K,
                                                BK=next_pow2(max(16, K)), BR=BR, num_warps=4)
     return r

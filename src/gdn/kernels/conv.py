@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from .. import config
+from .common import cdiv, next_pow2
 
 GROUP = 4  # rows per inner-loop step; chunk sizes are multiples of it
 # decode-step kernel: channels and warps per program on the GPU (H200, N = 256, D = 8192, W = 4, 8 rotated pool sets:
@@ -440,9 +441,9 @@ def _block_d(D: int, elem_size: int, device, vec_bytes: int = 16, warps: int = 2
     """(BD, num_warps): ``vec_bytes`` per thread and row along D on the GPU (16 B vectors in the forward; 8 B in the
     backward, which keeps ~7 input rows, 7 dpre rows and 5 accumulators in registers)."""
     if device.type != "cuda":  # interpreter: small blocks exercise the masks and the multi-block paths
-        return min(128, triton.next_power_of_2(max(D, 1))), 1
+        return min(128, next_pow2(max(D, 1))), 1
     vec = max(1, vec_bytes // elem_size)
-    bd = min(vec * 32 * warps, triton.next_power_of_2(max(D, 1)))
+    bd = min(vec * 32 * warps, next_pow2(max(D, 1)))
     bd = max(bd, 16)
     num_warps = max(1, min(warps, bd // (vec * 32)))
     return bd, num_warps
@@ -456,7 +457,7 @@ def _block_t(T_hint: int, device, n_seq: int = 1, n_dblocks: int = 1, backward: 
     else:
         bt = 128 if backward else 64
         target = 16 * _num_sms(device)
-        while bt > 16 and n_seq * triton.cdiv(max(T_hint, 1), bt) * n_dblocks < target:
+        while bt > 16 and n_seq * cdiv(max(T_hint, 1), bt) * n_dblocks < target:
             bt //= 2
     return max(GROUP, min(bt, -(-max(T_hint, 1) // GROUP) * GROUP))
 
@@ -464,8 +465,8 @@ def _block_t(T_hint: int, device, n_seq: int = 1, n_dblocks: int = 1, backward: 
 def _grid_time(N: int, T: int, BT: int, varlen: bool, T_per_seq: int) -> tuple:
     """(number of time programs G, chunks per sequence NCH)."""
     if varlen:
-        return triton.cdiv(T, BT) + N, 0
-    nch = triton.cdiv(T_per_seq, BT)
+        return cdiv(T, BT) + N, 0
+    nch = cdiv(T_per_seq, BT)
     return N * nch, nch
 
 
@@ -488,14 +489,14 @@ def conv_fwd(x, weight, bias, activation: bool, cu_seqlens=None, conv_state=None
         return _conv_update(x, weight, bias, activation, y, conv_state, state_indices, write_state)
     BD, num_warps = _block_d(D, x.element_size(), x.device)
     if BT is None:
-        BT = _block_t(T, x.device, 1 if varlen else N, triton.cdiv(D, BD))
+        BT = _block_t(T, x.device, 1 if varlen else N, cdiv(D, BD))
     G, NCH = _grid_time(N, T, BT, varlen, T)
     has_state = conv_state is not None
     st = conv_state if has_state else x
     sst = conv_state.stride() if has_state else (0, 0, 0)
     P = conv_state.shape[0] if has_state else 0
-    BLOCK_N = min(1024, triton.next_power_of_2(max(N, 1)))
-    grid = (G, triton.cdiv(D, BD))
+    BLOCK_N = min(1024, next_pow2(max(N, 1)))
+    grid = (G, cdiv(D, BD))
     causal_conv1d_fwd_kernel[grid](
         x, weight, bias if bias is not None else x, y, st,
         state_indices if state_indices is not None else x, cu_seqlens if varlen else x,
@@ -514,10 +515,10 @@ def _conv_update(x, weight, bias, activation: bool, y, conv_state, state_indices
     UPDATE_BD channels and UPDATE_WARPS warps per program on the GPU (one [BD, 4] window tile)."""
     N, _, D = x.shape
     W = weight.shape[1]
-    BD = min(UPDATE_BD, triton.next_power_of_2(D))
+    BD = min(UPDATE_BD, next_pow2(D))
     warps = UPDATE_WARPS if x.device.type == "cuda" else 1
     ss = conv_state.stride()
-    causal_conv1d_update_kernel[(N, triton.cdiv(D, BD))](
+    causal_conv1d_update_kernel[(N, cdiv(D, BD))](
         x, weight, bias if bias is not None else x, y, conv_state,
         state_indices if state_indices is not None else x,
         D, conv_state.shape[0], x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), ss[0], ss[1], ss[2],
@@ -548,7 +549,7 @@ def conv_bwd(x, weight, bias, dy, activation: bool, cu_seqlens=None, init_state=
         return dx, dw, db
     BD, num_warps = _block_d(D, x.element_size(), x.device, vec_bytes=8, warps=4)
     if BT is None:
-        BT = _block_t(T, x.device, 1 if varlen else N, triton.cdiv(D, BD), backward=True)
+        BT = _block_t(T, x.device, 1 if varlen else N, cdiv(D, BD), backward=True)
     G, NCH = _grid_time(N, T, BT, varlen, T)
     dw_part = torch.zeros((G, 4, D), dtype=acc_dt, device=x.device)
     db_part = torch.zeros((G, D), dtype=acc_dt, device=x.device) if bias is not None else dw_part
@@ -556,8 +557,8 @@ def conv_bwd(x, weight, bias, dy, activation: bool, cu_seqlens=None, init_state=
     st = init_state if has_state else x
     sst = init_state.stride() if has_state else (0, 0, 0)
     P = init_state.shape[0] if has_state else 0
-    BLOCK_N = min(1024, triton.next_power_of_2(max(N, 1)))
-    grid = (G, triton.cdiv(D, BD))
+    BLOCK_N = min(1024, next_pow2(max(N, 1)))
+    grid = (G, cdiv(D, BD))
     causal_conv1d_bwd_kernel[grid](
         x, weight, bias if bias is not None else x, dy, dx, dw_part, db_part, st,
         state_indices if state_indices is not None else x, cu_seqlens if varlen else x,

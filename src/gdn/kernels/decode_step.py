@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .common import gdn_gate_value, next_pow2, sigmoid
+from .common import cdiv, gdn_gate_value, next_pow2, sigmoid
 from .recurrent import _delta_rule, _l2_normalize, _state_offsets, state_tile_BV
 
 
@@ -165,7 +165,7 @@ def _config(K: int, V: int, state_bytes: int, k_last: bool, device) -> tuple:
     """(BV, TILES, num_warps, num_stages) from the ``decode_step`` tuning table; BV capped as in the decode kernel."""
     row = tuning.lookup("decode_step", device, shape_class(state_bytes, k_last))
     BV = state_tile_BV(row.BV, K, V)
-    return BV, triton.cdiv(next_pow2(V), BV), row.warps, row.stages
+    return BV, cdiv(next_pow2(V), BV), row.warps, row.stages
 
 
 def layer_decode_step(q, k, v, z, b, a, conv_weight, conv_bias, conv_pool, A_log, dt_bias, norm_weight, slots,

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import sigmoid, softplus
+from .common import cdiv, sigmoid, softplus
 
 BLOCK = 1024
 
@@ -40,7 +40,7 @@ def gdn_gate_fwd(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) ->
     g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
     n = a.numel()
     if n:
-        gdn_gate_fwd_kernel[(triton.cdiv(n, BLOCK),)](a, A_log, dt_bias, g, n, HV=A_log.numel(), BLOCK=BLOCK)
+        gdn_gate_fwd_kernel[(cdiv(n, BLOCK),)](a, A_log, dt_bias, g, n, HV=A_log.numel(), BLOCK=BLOCK)
     return g
 
 
@@ -52,7 +52,7 @@ def gdn_gate_bwd(a, A_log, dt_bias, dg):
     dgg = torch.empty(a.shape, dtype=torch.float32, device=a.device)
     n = a.numel()
     if n:
-        gdn_gate_bwd_kernel[(triton.cdiv(n, BLOCK),)](a, A_log, dt_bias, dg, da, dgg, n, HV=HV, BLOCK=BLOCK)
+        gdn_gate_bwd_kernel[(cdiv(n, BLOCK),)](a, A_log, dt_bias, dg, da, dgg, n, HV=HV, BLOCK=BLOCK)
     dA = dgg.reshape(-1, HV).sum(0).to(A_log.dtype)
     ddt = da.reshape(-1, HV).float().sum(0).to(dt_bias.dtype)
     return da, dA, ddt

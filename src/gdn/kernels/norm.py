@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .. import config
+from .common import cdiv, next_pow2
 
 
 def _device_fn(fn):
@@ -105,7 +106,7 @@ def gated_rmsnorm_bwd_kernel(
 def _cfg(N: int, device, backward: bool = False) -> tuple:
     """(BN, BM, num_warps): tiles of about 4K elements (2K in the backward, which holds x, z, dy and more) on the
     GPU; 4 warps (8 for rows longer than the tile)."""
-    BN = triton.next_power_of_2(max(N, 1))
+    BN = next_pow2(max(N, 1))
     if device.type != "cuda":
         return BN, max(1, min(64, 4096 // BN)), 1
     tile = 2048 if backward else 4096
@@ -142,7 +143,7 @@ def rmsnorm_fwd(x2, z2, weight, eps: float):
         rstd.fill_(1.0 / (eps ** 0.5) if eps > 0 else float("inf"))
         return y, rstd
     BN, BM, num_warps = _cfg(N, x2.device)
-    grid = (triton.cdiv(M, BM),)
+    grid = (cdiv(M, BM),)
     gated_rmsnorm_fwd_kernel[grid](
         x2, z2 if z2 is not None else x2, weight, y, rstd,
         M, N, x2.stride(0), *_z_strides(z2), y.stride(0), float(eps),
@@ -164,10 +165,10 @@ def rmsnorm_bwd(x2, z2, weight, dy2, rstd):
     if M == 0 or N == 0:
         return dx, dz, torch.zeros_like(weight)
     BN, BM, num_warps = _cfg(N, x2.device, backward=True)
-    nblocks = triton.cdiv(M, BM)
+    nblocks = cdiv(M, BM)
     # ITERS consecutive row blocks per program: many programs (no wave quantisation) and a small dw partial buffer
-    iters = 8 if x2.device.type == "cuda" else max(1, triton.cdiv(nblocks, 2))
-    G = triton.cdiv(nblocks, iters)
+    iters = 8 if x2.device.type == "cuda" else max(1, cdiv(nblocks, 2))
+    G = cdiv(nblocks, iters)
     acc_dt = torch.float64 if f64 else torch.float32
     dw_part = torch.empty((G, N), dtype=acc_dt, device=x2.device)
     gated_rmsnorm_bwd_kernel[(G,)](

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import tuning
-from .common import gdn_gate_value, next_pow2, sigmoid
+from .common import cdiv, gdn_gate_value, next_pow2, sigmoid
 
 
 @triton.jit
@@ -365,7 +365,7 @@ def _decode_config(N: int, HV: int, K: int, V: int, state_bytes: int, device=Non
         shape_class = "half_state_many"
     row = tuning.lookup("decode", device, shape_class if k_last else shape_class + "_vlast")
     BV, warps, stages, tiles = state_tile_BV(row.BV, K, V), row.warps, row.stages, row.tiles
-    nvb = triton.cdiv(V, BV)
+    nvb = cdiv(V, BV)
     tiles = max(1, min(tiles, nvb))
     while nvb % tiles:
         tiles -= 1
@@ -412,7 +412,7 @@ def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_ou
         kw["maxnreg"] = maxnreg
     ptrs, (P_in, P_out, n_cols, s_idx), modes = _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out,
                                                              idx, num_accepted)
-    decode_kernel[(N * HV * (triton.cdiv(V, BV) // tiles),)](
+    decode_kernel[(N * HV * (cdiv(V, BV) // tiles),)](
         q, k, v, *ptrs, float(scale), P_in, P_out, n_cols,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), s_idx,
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, L2NORM=bool(l2norm), READ_MODE=read_mode, WRITE_MODE=write_mode,
@@ -450,7 +450,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
         stages = 1
     ptrs, (P_in, P_out, n_cols, s_idx), modes = _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out,
                                                              idx, num_accepted)
-    recurrent_gdn_fwd_kernel[(N * HV, triton.cdiv(V, BV))](
+    recurrent_gdn_fwd_kernel[(N * HV, cdiv(V, BV))](
         q, k, v, *ptrs, o if cu_seqlens is None else cu_seqlens, float(scale), seqlen, P_in, P_out, n_cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), s_idx,

@@ -12,6 +12,7 @@ import triton.language as tl
 
 from ...config import triton_interpret
 from .. import tuning
+from ..common import next_pow2
 
 CHUNK_SIZE = 64
 
@@ -50,7 +51,7 @@ def _launch(kernel, grid, *args, maxnreg=0, **kwargs):
 
 
 def _pow2(x: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(int(x)))
+    return max(lo, next_pow2(int(x)))
 
 
 def _strides3(x):

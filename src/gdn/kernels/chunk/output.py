@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .. import tuning
-from ..common import l2_rnorm, value_heads_per_program
+from ..common import cdiv, l2_rnorm, value_heads_per_program
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _pow2, _rn,
                      _seq_span, _strides3)
 from .plan import ChunkIndex, get_chunk_index
@@ -149,7 +149,7 @@ def chunk_output(q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, h: torch
     else:
         rq = rk = g_cum
     hpp = _output_heads(H, HV, dev)
-    _launch(_chunk_output_kernel, (triton.cdiv(V, BV), ci.NT, HV // hpp),
+    _launch(_chunk_output_kernel, (cdiv(V, BV), ci.NT, HV // hpp),
         q, k, v_new, h, g_cum, rq, rk, o, ci.chunk_indices, ci.chunk_offsets, _cu_arg(cu_seqlens, ci.chunk_offsets),
         state_indices if state_indices is not None else ci.chunk_offsets, T, pool_size, float(scale),
         *_strides3(q), *_strides3(k), *_strides3(o),

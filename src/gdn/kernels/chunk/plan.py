@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import List, NamedTuple, Optional
 
 import torch
-import triton
 
 from .. import tuning
 from .common import CHUNK_SIZE
+from ..common import cdiv
 
 
 class ChunkIndex(NamedTuple):
@@ -147,8 +147,8 @@ def choose_segment_len(ci: ChunkIndex, HV: int, V: int, BV: int, device, force: 
     if maxc < int(cfg.segment_min_chunks):
         return None
     slots = max(1, int(_num_sms(device) * float(cfg.state_ctas_per_sm)))
-    nv = triton.cdiv(V, BV)
-    nk = triton.cdiv(K if K is not None else V, BV)
+    nv = cdiv(V, BV)
+    nk = cdiv(K if K is not None else V, BV)
 
     def waves(p):
         return -(-p // slots)

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from .. import tuning
 from .common import _launch, _pow2, _rn, _state_row
+from ..common import cdiv
 
 
 @triton.jit(do_not_specialize=["P0", "P1"])
@@ -96,7 +97,7 @@ def merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, 
     P1 = ht.shape[0] if ht is not None else 0
     BKM = min(int(cfg.merge_BK), _pow2(K))
     BVM = min(int(cfg.merge_BV), _pow2(V))
-    _launch(_chunk_merge_kernel, (triton.cdiv(V, BVM), HV, ci.N),
+    _launch(_chunk_merge_kernel, (cdiv(V, BVM), HV, ci.N),
         initial_state if initial_state is not None else dummy, ht if ht is not None else dummy,
         idx if idx is not None else ci.chunk_offsets, ht_idx if ht_idx is not None else ci.chunk_offsets,
         trans, hloc, hs, plan.seg_offsets, P, P1, *s0, *s1, HV=HV, K=K, V=V, BK=BKM, BV=BVM,

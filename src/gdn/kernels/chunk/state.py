@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from .. import tuning
-from ..common import l2_rnorm
+from ..common import cdiv, l2_rnorm
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _pow2, _rn,
                      _seq_span, _state_row, _strides3)
 from . import hopper
@@ -215,9 +215,22 @@ def _state_strides(x: Optional[torch.Tensor], layout: str):
 
 
 def _pass_plan(ci: ChunkIndex, HV: int, K: int, V: int, dev, sm90: bool, segment_chunks: Optional[int]):
-    """(segment plan, V tile of the sm_90 pass for a grid of p x (V / tile) CTAs as a function of p; 0 = portable)."""
+    """(segment plan, V tile of the sm_90 pass for a grid of p x (V / tile) CTAs as a function of p; 0 = portable).
+    Memoised like :func:`fused_output_plan`."""
     cfg = tuning.chunk_fwd(dev)
+    key = (id(ci), HV, K, V, dev, bool(sm90), segment_chunks, id(cfg))
+    hit = _PASS_PLANS.get(key)
+    if hit is None:
+        if len(_PASS_PLANS) >= 64:
+            _PASS_PLANS.pop(next(iter(_PASS_PLANS)))
+        hit = _PASS_PLANS[key] = (ci, cfg, _plan_pass(ci, HV, K, V, dev, sm90, segment_chunks, cfg))
+    return hit[2]
 
+
+_PASS_PLANS: dict = {}
+
+
+def _plan_pass(ci, HV, K, V, dev, sm90, segment_chunks, cfg):
     def sm90_tile(programs_per_column_tile: int) -> int:
         if not sm90:
             return 0
@@ -240,12 +253,32 @@ def fused_output_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ci: Chu
     (0, None) where it does not take the final pass (not sm_90, unsupported dtype / layout / shape, checkpoints, the
     ``chunk_fwd.state_sm90`` / ``state_sm90_fused`` fields off, no Gluon tile chosen). Both go to
     :func:`chunk_state_pass` in its ``output`` dict, which then plans nothing itself."""
+    dev = k.device
+    cfg = tuning.chunk_fwd(dev)
+    if not (cfg.state_sm90 and cfg.state_sm90_fused) or cfg.state_split_h or ci.N == 0 or v.shape[2] == 0:
+        return 0, None
+    # memoised per (shapes, strides, dtypes, 16-byte alignment, chunk table, tuning row): the answer is a pure
+    # function of those, and working it out costs ~60 us of host time per call (bench/NOTES.md, host overhead)
+    key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
+           q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, id(ci), segment_chunks, bool(checkpoints), dev,
+           id(cfg))
+    hit = _FUSED_PLANS.get(key)
+    if hit is not None and hit[0] is ci and hit[1] is cfg:
+        return hit[2]
+    out = _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg)
+    if len(_FUSED_PLANS) >= 64:
+        _FUSED_PLANS.pop(next(iter(_FUSED_PLANS)))
+    _FUSED_PLANS[key] = (ci, cfg, out)    # ci and cfg kept alive so that their ids stay theirs
+    return out
+
+
+_FUSED_PLANS: dict = {}
+
+
+def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg):
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
-    cfg = tuning.chunk_fwd(dev)
-    if not (cfg.state_sm90 and cfg.state_sm90_fused) or cfg.state_split_h or ci.N == 0 or HV == 0:
-        return 0, None
     dt = _dot_dtype(k, v)
     # the Ainv that the prepare kernel will write: contiguous [B, T, HV, 64] in the tensor-core dtype
     ainv_like = torch.empty_strided((B, T, HV, CHUNK_SIZE), (T * HV * CHUNK_SIZE, HV * CHUNK_SIZE, CHUNK_SIZE, 1),
@@ -273,7 +306,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                      dot_dtype: Optional[torch.dtype] = None, split_h: Optional[bool] = None,
                      rk: Optional[torch.Tensor] = None, final_indices: Optional[torch.Tensor] = None,
                      checkpoint_indices: Optional[torch.Tensor] = None, checkpoint_every: int = 0,
-                     checkpoint_pool: Optional[torch.Tensor] = None, output: Optional[dict] = None):
+                     checkpoint_pool: Optional[torch.Tensor] = None, output: Optional[dict] = None,
+                     buffers: Optional[tuple] = None):
     """The sequential inter-chunk pass.
 
     k [B, T, H, K] (raw; L2-normalised in-kernel when asked), g_cum [B, T, HV] fp32, and either
@@ -295,6 +329,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     Hopper kernel (``hopper._chunk_fused_sm90_kernel``; BV and plan from :func:`fused_output_plan`): o [B, T, HV, V]
     (contiguous) is written from P / qf of the prepare kernel, and h / v_new are None (never in memory).
     v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
+    ``buffers``: (h, v_new) tensors of those shapes and dtypes to write instead of new ones (the backward allocates
+    them on the stream that consumes them before running this pass on a side stream).
     ``segment_chunks``: None = heuristic / tuning table, -1 = never segment, n > 0 = segments of n chunks.
     ``split_h``: compute the h product of v_new as hi + lo half-precision parts (default: ``chunk_fwd.state_split_h``).
     ``rk``: the L2 row scalings of k (fp32 [B, T, H], from :func:`l2_rnorm` or the prepare kernel); computed here
@@ -336,8 +372,11 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         sm90 = (cfg.state_sm90 and xs is not None and not split_h
                 and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, checkpoints=ckpt))
         plan, sm90_tile = _pass_plan(ci, HV, K, V, dev, sm90, segment_chunks)
-    h = _empty(ci.NT, HV, K, V, device=dev, dtype=h_dtype) if (store_h and not fused) else None
-    v_new = _empty(B, T, HV, V, device=dev, dtype=vnew_dtype) if (store_vnew and not fused) else None
+    if buffers is not None:
+        h, v_new = buffers
+    else:
+        h = _empty(ci.NT, HV, K, V, device=dev, dtype=h_dtype) if (store_h and not fused) else None
+        v_new = _empty(B, T, HV, V, device=dev, dtype=vnew_dtype) if (store_vnew and not fused) else None
     dummy = g_cum
     idx = state_indices
     out_idx = idx if final_indices is None else _written_rows(final_indices, idx, P_read=(
@@ -366,7 +405,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         if fused and n_extra == 0:
             # Hopper: state pass and output in one warp-specialized kernel (hopper.py)
             hopper.launch_fused_pass(
-                (triton.cdiv(V, bv_fused), HV, S), output["q"], k, xs, bb, mats.contiguous(), output["p"],
+                (cdiv(V, bv_fused), HV, S), output["q"], k, xs, bb, mats.contiguous(), output["p"],
                 output["qf"], g_cum, rk_arg, output["o"], h0, ht_, h0_idx if h0_idx is not None else ci.chunk_offsets,
                 ht_idx if ht_idx is not None else ci.chunk_offsets, output["o_idx"], plan.segments, cu, T, P0, P1,
                 output["PO"], sb, s0, s1, H=H, HV=HV, K=K, V=V, use_l2=l2,
@@ -379,19 +418,19 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                                     checkpoints=bool(ck)):
             # Hopper: the Gluon form of this pass (TMA ring, asynchronous wgmma; hopper.py)
             hopper.launch_state_pass(
-                (triton.cdiv(V, bv9), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, h_out, vn_out, h0, ht_,
+                (cdiv(V, bv9), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, h_out, vn_out, h0, ht_,
                 h0_idx if h0_idx is not None else ci.chunk_offsets, ht_idx if ht_idx is not None else ci.chunk_offsets,
                 plan.segments, cu, ci.chunk_offsets, T, P0, P1, sb, s0, s1, H=H, HV=HV, K=K, V=V,
                 use_l2=l2, is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
                 from_ainv=from_ainv, BV=bv9, stages=cfg.state_sm90_stages)
             return
-        _launch(_chunk_state_kernel, (triton.cdiv(Vd, bv) + n_extra, HV, S),
+        _launch(_chunk_state_kernel, (cdiv(Vd, bv) + n_extra, HV, S),
                 k, vv, bb, aa, ww, uu, g_cum, rk_arg, h_out if h_out is not None else dummy,
                 vn_out if vn_out is not None else dummy, h0 if h0 is not None else dummy,
                 ht_ if ht_ is not None else dummy, h0_idx if h0_idx is not None else ci.chunk_offsets,
                 ht_idx if ht_idx is not None else ci.chunk_offsets, plan.segments, ci.chunk_offsets, cu,
-                T, P0, P1, triton.cdiv(Vd, bv), *_strides3(k), *sv, *sb, *s0, *s1,
+                T, P0, P1, cdiv(Vd, bv), *_strides3(k), *sv, *sb, *s0, *s1,
                 H=H, HV=HV, K=K, V=Vd, KP=KP, BV=bv, USE_L2=l2, IS_VARLEN=ci.is_varlen,
                 FROM_AINV=from_ainv, DT=_TL[dt], PREC=cfg.fp32_dot_precision, SPLIT_H=split_h,
                 STORE_H=h_out is not None, STORE_VNEW=vn_out is not None, STORE_FINAL=ht_ is not None,
@@ -415,7 +454,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     vl = _state_strides(hloc, "v_last")
     # one launch: local states (programs 0 .. NV-1) and transition matrices (programs NV .. NV+NK-1)
     launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, _state_strides(trans, "v_last"), vl,
-           n_extra=triton.cdiv(K, BV), INIT=3, H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True,
+           n_extra=cdiv(K, BV), INIT=3, H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True,
            HT_INDEXED=False)
     hs = merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy, out_idx)
     launch(V, BV, S, h, v_new, hs, None, None, None, S, 0, vl, (0, 0, 0, 0), INIT=1,

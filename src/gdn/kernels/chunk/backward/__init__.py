@@ -80,7 +80,7 @@ import torch
 
 from ...common import l2_rnorm
 from ... import tuning
-from ..common import _dot_dtype
+from ..common import _dot_dtype, _empty
 from ..plan import prepare_chunk_indices
 from ..prepare import chunk_fwd_prepare, recompute_w_u
 from ..state import chunk_state_pass
@@ -133,27 +133,29 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
         rq = l2_rnorm(q) if rq is None else rq
         rk = l2_rnorm(k) if rk is None else rk
 
-    def state_pass():
+    def state_pass(buffers=None):
         return chunk_state_pass(k, w, u, g_cum, initial_state, False, cu_seqlens, C, l2, h_dtype=h_dtype,
-                                  chunk_index=ci, rk=rk)[:2]
+                                chunk_index=ci, rk=rk, buffers=buffers)[:2]
 
     concurrent = need_h and dev.type == "cuda" and tuning.chunk_bwd(dev).concurrent \
         and not torch.cuda.is_current_stream_capturing()
     if concurrent:
-        # the forward states (h, v_new) and the reverse pass are independent: overlap them
         cur = torch.cuda.current_stream(dev)
         side = _side_stream(dev)
+        # h and v_new are allocated here, on the stream that reads and frees them; the side stream writes them before
+        # cur waits for it. (With record_stream instead, their frees were deferred and the caching allocator took
+        # fresh device memory on every call while the host ran ahead of the GPU.)
+        h = _empty(ci.NT, v.shape[2], K, v.shape[3], device=dev, dtype=h_dtype)
+        v_new = _empty(*u.shape, device=dev, dtype=u.dtype)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
-            h, v_new = state_pass()
+            state_pass((h, v_new))
     elif need_h:
         h, v_new = state_pass()
     gs, dvn, dh0 = chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, C, l2, initial_state is not None,
                                 state_dtype=h_dtype, chunk_index=ci, segment_chunks=segment_chunks, rq=rq, rk=rk)
     if concurrent:
         cur.wait_stream(side)
-        h.record_stream(cur)
-        v_new.record_stream(cur)
     del w, u  # peak memory: not needed by the last kernel
     dq, dk, dv, dbeta, dg = chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_seqlens, C,
                                            l2, g_dtype=g.dtype, chunk_index=ci, rq=rq, rk=rk)

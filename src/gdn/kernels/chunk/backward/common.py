@@ -8,6 +8,7 @@ import triton.language as tl
 
 from ....config import triton_interpret
 from ... import tuning
+from ...common import cdiv, next_pow2
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def _dot_precision(dtype: torch.dtype, device) -> str:
 
 def _v_tile(V: int, device) -> int:
     """V tile of the parallel backward kernels (dv_local, parts A and B): ``chunk_bwd.BV``."""
-    return min(int(tuning.chunk_bwd(device).BV), max(16, triton.next_power_of_2(V)))
+    return min(int(tuning.chunk_bwd(device).BV), max(16, next_pow2(V)))
 
 
 def _strides(x: torch.Tensor):

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...common import l2_rnorm
+from ...common import l2_rnorm, next_pow2
 from ... import tuning
 from ..plan import prepare_chunk_indices
 from .common import _acc_dtype, _chunk_gates, _chunk_rows, _dot_precision, _mm_dtype, _strides, _v_tile
@@ -293,7 +293,7 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     dk_v = torch.empty(B, T, HV, K, dtype=acc_t, device=dev)
     dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
     g_cum = g_cum.contiguous()
-    BK = max(16, triton.next_power_of_2(K))
+    BK = max(16, next_pow2(K))
     meta = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None, L2NORM=l2, ACC=_acc_dtype(q.dtype))
     mm = dict(V=V, BV=_v_tile(V, dev), MM=_mm_dtype(v_new.dtype), PREC=_dot_precision(v_new.dtype, dev))
     cfg = tuning.chunk_bwd(dev)
