@@ -281,19 +281,25 @@ class GatedDeltaNet(nn.Module):
     def _packed_row_order(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
         """Row indices that reorder ``in_proj_qkvz`` (grouped per key head h: ``q_h | k_h | v_h | z_h``) into
         ``Q | K | V | Z`` (each head-major, as the unpacking in :meth:`_project` orders them) and ``in_proj_ba``
-        (``b_h | a_h``) into ``B | A``; cached per device."""
-        cache = self.__dict__.setdefault("_row_order", {})
+        (``b_h | a_h``) into ``B | A``; cached per device in eager (a traced graph builds them: torch 2.11's dynamo
+        cannot trace ``__dict__.setdefault``)."""
+        if torch.compiler.is_compiling():
+            return self._row_order(device)
+        cache = self.__dict__.setdefault("_row_order_cache", {})
         if device not in cache:
-            H, K, V = self.local_num_k_heads, self.head_k_dim, self.head_v_dim
-            r = self.local_num_v_heads // H
-            blk = torch.arange(H)[:, None] * (2 * K + 2 * r * V)
-            parts = [blk + off + torch.arange(n)[None, :] for off, n in
-                     ((0, K), (K, K), (2 * K, r * V), (2 * K + r * V, r * V))]
-            pq = torch.cat([p.reshape(-1) for p in parts])
-            blk = torch.arange(H)[:, None] * (2 * r)
-            pba = torch.cat([(blk + off + torch.arange(r)[None, :]).reshape(-1) for off in (0, r)])
-            cache[device] = (pq.to(device), pba.to(device))
+            cache[device] = self._row_order(device)
         return cache[device]
+
+    def _row_order(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        H, K, V = self.local_num_k_heads, self.head_k_dim, self.head_v_dim
+        r = self.local_num_v_heads // H
+        blk = torch.arange(H, device=device)[:, None] * (2 * K + 2 * r * V)
+        parts = [blk + off + torch.arange(n, device=device)[None, :] for off, n in
+                 ((0, K), (K, K), (2 * K, r * V), (2 * K + r * V, r * V))]
+        pq = torch.cat([p.reshape(-1) for p in parts])
+        blk = torch.arange(H, device=device)[:, None] * (2 * r)
+        pba = torch.cat([(blk + off + torch.arange(r, device=device)[None, :]).reshape(-1) for off in (0, r)])
+        return pq, pba
 
     def _split_qkv(self, y: torch.Tensor):
         """Strided q/k/v views (last dimension contiguous) of the packed conv output ``[B, T, conv_dim]``

@@ -9,6 +9,7 @@ import torch
 from .. import reference as ref
 from ..backend import use_triton
 from . import _validate as V_
+from ._library import _none_if_empty
 
 # kernel read/write modes (see gdn.kernels.recurrent)
 READ_ZERO, READ_ROW, READ_POOL = 0, 1, 2
@@ -217,15 +218,18 @@ def _launch(q, k, v, o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx,
 def _recurrent_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, g: Optional[torch.Tensor],
                       beta: Optional[torch.Tensor], A_log: Optional[torch.Tensor], a: Optional[torch.Tensor],
                       dt_bias: Optional[torch.Tensor], b: Optional[torch.Tensor], state_in: Optional[torch.Tensor],
-                      state_out: Optional[torch.Tensor], idx: Optional[torch.Tensor],
+                      state_out: torch.Tensor, idx: Optional[torch.Tensor],
                       num_accepted: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float,
                       read_mode: int, write_mode: int, l2norm: bool, k_last: bool, seqlen: int, num_seqs: int,
-                      cache: Optional[torch.Tensor] = None, cache_idx: Optional[torch.Tensor] = None,
+                      cache: torch.Tensor, cache_idx: Optional[torch.Tensor] = None,
                       parent: Optional[torch.Tensor] = None, out_idx: Optional[torch.Tensor] = None) -> None:
     """The kernel launch as a torch.library op, so torch.compile traces the ops without a graph break. In-place
-    modes pass the pool as ``state_out`` only (``state_in`` None): no two arguments alias."""
-    _launch(q, k, v, o, g, beta, A_log, a, dt_bias, b, state_in, state_out, idx, num_accepted, cu_seqlens, scale,
-            read_mode, write_mode, l2norm, k_last, seqlen, num_seqs, cache, cache_idx, parent, out_idx)
+    modes pass the pool as ``state_out`` only (``state_in`` None): no two arguments alias. The mutated ``state_out``
+    and ``cache`` are never None: an empty 1-D tensor stands for "none" (torch 2.11's fake-tensor pass raised
+    IndexError on a mutated optional argument passed as None)."""
+    _launch(q, k, v, o, g, beta, A_log, a, dt_bias, b, state_in, _none_if_empty(state_out), idx, num_accepted,
+            cu_seqlens, scale, read_mode, write_mode, l2norm, k_last, seqlen, num_seqs, _none_if_empty(cache),
+            cache_idx, parent, out_idx)
 
 
 @_recurrent_fwd_op.register_fake
@@ -278,7 +282,9 @@ def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None
                 plan.scale, plan.read_mode, plan.write_mode, bool(l2norm), plan.state_layout == "k_last", plan.T,
                 plan.N, cache, cache_idx, parent, output_state_indices)
         if torch.compiler.is_compiling():
-            torch.ops.gdn.recurrent_fwd(*args)
+            none = q.new_empty(0)
+            torch.ops.gdn.recurrent_fwd(*args[:11], none if final is None else final, *args[12:22],
+                                        none if cache is None else cache, *args[23:])
         else:  # eager: skip the dispatcher's overhead on the decode hot path
             _launch(*args)
     else:
