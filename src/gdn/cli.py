@@ -23,6 +23,9 @@ def _cmd_check(args) -> int:
 
     from gdn.backend import backend_name, use_triton
     from gdn.checks import run_all
+    from gdn.kernels import launch
+
+    launch.VERIFY = True  # every fast launch also asks Triton which kernel it would run (gdn.kernels.launch)
 
     dev = torch.device(device)
     path = "triton" if use_triton(dev) else "torch reference"

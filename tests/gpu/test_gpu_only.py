@@ -176,3 +176,58 @@ def test_layer_decode_step_cuda_graph_replay(state_dtype, layout):
             torch.cuda.synchronize()
             assert torch.equal(y, y_eager)
             assert torch.equal(cache.conv_states, twin.conv_states) and torch.equal(cache.ssm_states, twin.ssm_states)
+
+
+def test_fast_launch_path_equals_triton_launch(monkeypatch):
+    """gdn.kernels.launch's fast path (second and later launches of a key) gives bitwise the outputs of Triton's own
+    launch path, with launch.VERIFY asking Triton for its kernel on every fast launch; misaligned views and other
+    integer values get their own kernels. Forward + backward of the chunked op, decode."""
+    from gdn.kernels import launch as L
+    from gdn.ops import chunk_gated_delta_rule
+
+    monkeypatch.setattr(L, "VERIFY", True)
+    assert L._ENABLED
+
+    def fwd_bwd(x, T, cu):
+        q, k, v = (t.detach().requires_grad_() for t in (x.q, x.k, x.v))
+        o, ht = chunk_gated_delta_rule(q, k, v, x.g, x.beta, output_final_state=True, cu_seqlens=cu,
+                                       use_qk_l2norm_in_kernel=True)
+        (o.float().square().sum() + ht.sum()).backward()
+        return [o, ht, q.grad, k.grad, v.grad]
+
+    for T, lens in ((300, [1, 63, 64, 65, 107]), (517, [517])):
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device="cuda")
+        x = make_inputs(1, T, 4, 8, 128, 128, dtype=torch.bfloat16, device="cuda")
+        monkeypatch.setattr(L, "_ENABLED", False)
+        want = fwd_bwd(x, T, cu)
+        monkeypatch.setattr(L, "_ENABLED", True)
+        n0 = len(L._CACHE)
+        for _ in range(3):
+            got = fwd_bwd(x, T, cu)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert len(L._CACHE) > n0 or n0 > 0
+    # an input view whose data pointer is not 16-byte aligned: another specialisation, same results as Triton's
+    pad = torch.randn(1, 300 * 4 * 128 + 1, device="cuda", dtype=torch.bfloat16)
+    x = make_inputs(1, 300, 4, 8, 128, 128, dtype=torch.bfloat16, device="cuda")
+    q_odd = pad[:, 1:].view(1, 300, 4, 128)
+    q_odd.copy_(x.q)
+    x.q = q_odd
+    cu = torch.tensor([0, 300], dtype=torch.int32, device="cuda")
+    monkeypatch.setattr(L, "_ENABLED", False)
+    want = fwd_bwd(x, 300, cu)
+    monkeypatch.setattr(L, "_ENABLED", True)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(fwd_bwd(x, 300, cu), want))
+    # decode: pool rows through indices, several batch sizes
+    for N in (3, 16, 33):
+        d = make_inputs(N, 1, 4, 8, 128, 128, dtype=torch.bfloat16, device="cuda")
+        pool = torch.randn(N + 1, 8, 128, 128, device="cuda")
+        idx = torch.randperm(N + 1, device="cuda")[:N].int()
+        outs = []
+        for fast in (False, True, True):
+            monkeypatch.setattr(L, "_ENABLED", fast)
+            p = pool.clone()
+            o, _ = gated_delta_rule_decode(d.q, d.k, d.v, p, d.A_log, d.a, d.dt_bias, d.b, state_indices=idx,
+                                           use_qk_l2norm=True)
+            outs.append((o, p))
+        assert all(torch.equal(a[0], outs[0][0]) and torch.equal(a[1], outs[0][1]) for a in outs[1:])

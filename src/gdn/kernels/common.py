@@ -2,6 +2,7 @@
 import torch
 import triton
 import triton.language as tl
+from .launch import launch
 
 
 @triton.jit
@@ -67,6 +68,6 @@ def l2_rnorm(x: torch.Tensor) -> torch.Tensor:
     n = B * T * H
     if n:
         BR = 32
-        l2_rnorm_kernel[(cdiv(n, BR),)](x, r, n, T, x.stride(0), x.stride(1), x.stride(2), H=H, K=K,
+        launch(l2_rnorm_kernel, (cdiv(n, BR),), x, r, n, T, x.stride(0), x.stride(1), x.stride(2), H=H, K=K,
                                                BK=next_pow2(max(16, K)), BR=BR, num_warps=4)
     return r

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from .. import config
 from .common import cdiv, next_pow2
+from .launch import launch
 
 GROUP = 4  # rows per inner-loop step; chunk sizes are multiples of it
 # decode-step kernel: channels and warps per program on the GPU (H200, N = 256, D = 8192, W = 4, 8 rotated pool sets:
@@ -497,7 +498,7 @@ def conv_fwd(x, weight, bias, activation: bool, cu_seqlens=None, conv_state=None
     P = conv_state.shape[0] if has_state else 0
     BLOCK_N = min(1024, next_pow2(max(N, 1)))
     grid = (G, cdiv(D, BD))
-    causal_conv1d_fwd_kernel[grid](
+    launch(causal_conv1d_fwd_kernel, grid,
         x, weight, bias if bias is not None else x, y, st,
         state_indices if state_indices is not None else x, cu_seqlens if varlen else x,
         N, T, D, P, NCH,
@@ -518,7 +519,7 @@ def _conv_update(x, weight, bias, activation: bool, y, conv_state, state_indices
     BD = min(UPDATE_BD, next_pow2(D))
     warps = UPDATE_WARPS if x.device.type == "cuda" else 1
     ss = conv_state.stride()
-    causal_conv1d_update_kernel[(N, cdiv(D, BD))](
+    launch(causal_conv1d_update_kernel, (N, cdiv(D, BD)),
         x, weight, bias if bias is not None else x, y, conv_state,
         state_indices if state_indices is not None else x,
         D, conv_state.shape[0], x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), ss[0], ss[1], ss[2],
@@ -559,7 +560,7 @@ def conv_bwd(x, weight, bias, dy, activation: bool, cu_seqlens=None, init_state=
     P = init_state.shape[0] if has_state else 0
     BLOCK_N = min(1024, next_pow2(max(N, 1)))
     grid = (G, cdiv(D, BD))
-    causal_conv1d_bwd_kernel[grid](
+    launch(causal_conv1d_bwd_kernel, grid,
         x, weight, bias if bias is not None else x, dy, dx, dw_part, db_part, st,
         state_indices if state_indices is not None else x, cu_seqlens if varlen else x,
         N, T, D, P, NCH,

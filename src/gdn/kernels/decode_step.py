@@ -30,6 +30,7 @@ import triton.language as tl
 from . import tuning
 from .common import cdiv, gdn_gate_value, next_pow2, sigmoid
 from .recurrent import _delta_rule, _l2_normalize, _state_offsets, state_tile_BV
+from .launch import launch
 
 
 @triton.jit
@@ -182,7 +183,7 @@ def layer_decode_step(q, k, v, z, b, a, conv_weight, conv_bias, conv_pool, A_log
         return y
     BV, tiles, warps, stages = _config(K, V, ssm_pool.element_size(), k_last, q.device)
     xs = (q, k, v, z, b, a)
-    layer_decode_step_kernel[(N * HV,)](
+    launch(layer_decode_step_kernel, (N * HV,),
         *xs, *(t.stride(0) for t in xs), *(t.stride(1) for t in xs),
         conv_weight, conv_bias if conv_bias is not None else conv_weight, conv_pool, conv_pool.stride(0),
         conv_pool.stride(1), conv_pool.stride(2), conv_weight.stride(0), conv_weight.stride(1),

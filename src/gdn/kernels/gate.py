@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from .common import cdiv, sigmoid, softplus
+from .launch import launch
 
 BLOCK = 1024
 
@@ -40,7 +41,7 @@ def gdn_gate_fwd(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) ->
     g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
     n = a.numel()
     if n:
-        gdn_gate_fwd_kernel[(cdiv(n, BLOCK),)](a, A_log, dt_bias, g, n, HV=A_log.numel(), BLOCK=BLOCK)
+        launch(gdn_gate_fwd_kernel, (cdiv(n, BLOCK),), a, A_log, dt_bias, g, n, HV=A_log.numel(), BLOCK=BLOCK)
     return g
 
 
@@ -52,7 +53,7 @@ def gdn_gate_bwd(a, A_log, dt_bias, dg):
     dgg = torch.empty(a.shape, dtype=torch.float32, device=a.device)
     n = a.numel()
     if n:
-        gdn_gate_bwd_kernel[(cdiv(n, BLOCK),)](a, A_log, dt_bias, dg, da, dgg, n, HV=HV, BLOCK=BLOCK)
+        launch(gdn_gate_bwd_kernel, (cdiv(n, BLOCK),), a, A_log, dt_bias, dg, da, dgg, n, HV=HV, BLOCK=BLOCK)
     dA = dgg.reshape(-1, HV).sum(0).to(A_log.dtype)
     ddt = da.reshape(-1, HV).float().sum(0).to(dt_bias.dtype)
     return da, dA, ddt

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .. import config
 from .common import cdiv, next_pow2
+from .launch import launch
 
 
 def _device_fn(fn):
@@ -144,7 +145,7 @@ def rmsnorm_fwd(x2, z2, weight, eps: float):
         return y, rstd
     BN, BM, num_warps = _cfg(N, x2.device)
     grid = (cdiv(M, BM),)
-    gated_rmsnorm_fwd_kernel[grid](
+    launch(gated_rmsnorm_fwd_kernel, grid,
         x2, z2 if z2 is not None else x2, weight, y, rstd,
         M, N, x2.stride(0), *_z_strides(z2), y.stride(0), float(eps),
         BM=BM, BN=BN, HAS_Z=z2 is not None, CD=tl.float64 if f64 else tl.float32, IS_F64=f64,
@@ -171,7 +172,7 @@ def rmsnorm_bwd(x2, z2, weight, dy2, rstd):
     G = cdiv(nblocks, iters)
     acc_dt = torch.float64 if f64 else torch.float32
     dw_part = torch.empty((G, N), dtype=acc_dt, device=x2.device)
-    gated_rmsnorm_bwd_kernel[(G,)](
+    launch(gated_rmsnorm_bwd_kernel, (G,),
         x2, z2 if z2 is not None else x2, weight, dy2, rstd, dx, dz if dz is not None else dx, dw_part,
         M, N, x2.stride(0), *_z_strides(z2), dy2.stride(0), dx.stride(0),
         dz.stride(0) if dz is not None else 0, iters, G,

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from . import tuning
 from .common import cdiv, gdn_gate_value, next_pow2, sigmoid
+from .launch import launch
 
 
 @triton.jit
@@ -412,7 +413,7 @@ def _decode(q, k, v, o, g, beta, A_log, a, dt_bias, b, scale, state_in, state_ou
         kw["maxnreg"] = maxnreg
     ptrs, (P_in, P_out, n_cols, s_idx), modes = _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out,
                                                              idx, num_accepted)
-    decode_kernel[(N * HV * (cdiv(V, BV) // tiles),)](
+    launch(decode_kernel, (N * HV * (cdiv(V, BV) // tiles),),
         q, k, v, *ptrs, float(scale), P_in, P_out, n_cols,
         q.stride(0), q.stride(2), k.stride(0), k.stride(2), v.stride(0), v.stride(2), s_idx,
         H=H, HV=HV, K=K, V=V, BK=next_pow2(K), BV=BV, L2NORM=bool(l2norm), READ_MODE=read_mode, WRITE_MODE=write_mode,
@@ -450,7 +451,7 @@ def recurrent_gdn_fwd(q, k, v, o, *, g=None, beta=None, A_log=None, a=None, dt_b
         stages = 1
     ptrs, (P_in, P_out, n_cols, s_idx), modes = _common_args(o, g, beta, A_log, a, dt_bias, b, state_in, state_out,
                                                              idx, num_accepted)
-    recurrent_gdn_fwd_kernel[(N * HV, cdiv(V, BV))](
+    launch(recurrent_gdn_fwd_kernel, (N * HV, cdiv(V, BV)),
         q, k, v, *ptrs, o if cu_seqlens is None else cu_seqlens, float(scale), seqlen, P_in, P_out, n_cols,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), s_idx,

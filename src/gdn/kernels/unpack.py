@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 from .common import cdiv
+from .launch import launch
 
 
 @triton.jit
@@ -65,7 +66,7 @@ def unpack_qkvz_ba(qkvz: torch.Tensor, ba: torch.Tensor, H: int, HV: int, K: int
         q2, ba2 = qkvz.reshape(M, -1), ba.reshape(M, -1)
         total = conv + HV * V + 2 * HV
         BLOCK = 1024
-        unpack_qkvz_ba_kernel[(M, cdiv(total, BLOCK))](
+        launch(unpack_qkvz_ba_kernel, (M, cdiv(total, BLOCK)),
             q2, ba2, mixed, z, b, a, q2.stride(0), ba2.stride(0), H=H, R=R, K=K, V=V, BLOCK=BLOCK, num_warps=4)
     return mixed, z, b, a
 

@@ -13,6 +13,7 @@ import triton.language as tl
 from ...config import triton_interpret
 from .. import tuning
 from ..common import next_pow2
+from ..launch import launch
 
 CHUNK_SIZE = 64
 
@@ -36,18 +37,18 @@ def _empty(*shape, device, dtype) -> torch.Tensor:
 
 
 def _launch(kernel, grid, *args, maxnreg=0, **kwargs):
-    """kernel[grid](*args, **kwargs); when the config asks for more shared memory than the GPU has (e.g. fp32
+    """``launch(kernel, grid, *args, **kwargs)`` (:mod:`gdn.kernels.launch`); when the config asks for more shared memory than the GPU has (e.g. fp32
     operands with K = 256), retry with fewer pipeline stages (nothing has run when that error is raised).
     ``maxnreg`` > 0 caps registers per thread (more resident CTAs for the throughput kernels)."""
     if maxnreg and int(maxnreg) > 0:
         kwargs["maxnreg"] = int(maxnreg)
     try:
-        return kernel[grid](*args, **kwargs)
+        return launch(kernel, grid, *args, **kwargs)
     except triton.runtime.errors.OutOfResources:
         if kwargs.get("num_stages", 2) <= 1:
             raise
         kwargs["num_stages"] = 1
-        return kernel[grid](*args, **kwargs)
+        return launch(kernel, grid, *args, **kwargs)
 
 
 def _pow2(x: int, lo: int = 16) -> int:

@@ -38,6 +38,7 @@ import torch
 
 from .. import _gluon_api as G
 from ..tuning import capability
+from ..launch import launch
 
 CHUNK = 64
 
@@ -454,7 +455,7 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
     else:   # a descriptor is still needed for the operand layout; nothing is stored through it
         dummy = torch.empty(K, BV, device=k.device, dtype=k.dtype)
         h_desc = _desc(dummy, (K, BV), dn)
-    _state_pass_sm90_kernel[grid](
+    launch(_state_pass_sm90_kernel, grid,
         k_desc, v_desc, a_desc, h_desc,
         beta, g_cum, rk, vnew if vnew is not None else g_cum, h0 if h0 is not None else g_cum,
         ht if ht is not None else g_cum, h0_idx, ht_idx, segments, cu_seqlens, chunk_offsets,
@@ -485,7 +486,7 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
     a_desc = _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
     p_desc = _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
-    _chunk_fused_sm90_kernel[grid](
+    launch(_chunk_fused_sm90_kernel, grid,
         k_desc, v_desc, a_desc, q_desc, p_desc,
         beta, g_cum, rk, qf, o, h0 if h0 is not None else g_cum, ht if ht is not None else g_cum, h0_idx, ht_idx,
         o_idx if o_idx is not None else h0_idx, segments, cu_seqlens, T, P0, P1, PO, *s_beta, *s0, *s1,

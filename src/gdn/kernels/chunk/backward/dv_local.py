@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from .common import _chunk_gates, _chunk_rows, _v_tile
+from ...launch import launch
 
 
 @triton.jit
@@ -60,6 +61,6 @@ def dv_local(q, k, g_cum, do, rq, rk, dvn, ci, cu_seqlens, scale, T, strides, me
     """Launch :func:`chunk_bwd_dv_local_kernel` into ``dvn`` [B, T, HV, V] (``meta``: the constexprs the backward
     kernels share; ``strides``: q, k, do (batch, token, head))."""
     HV, V = meta["HV"], do.shape[3]
-    chunk_bwd_dv_local_kernel[(ci.NT, HV)](
+    launch(chunk_bwd_dv_local_kernel, (ci.NT, HV),
         q, k, g_cum, do, rq, rk, dvn, cu_seqlens, ci.chunk_indices, scale, T, *strides, V=V,
         BV=_v_tile(V, q.device), num_warps=4, num_stages=2, **meta)

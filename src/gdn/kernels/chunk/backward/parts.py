@@ -12,6 +12,7 @@ from ...common import l2_rnorm, next_pow2
 from ... import tuning
 from ..plan import prepare_chunk_indices
 from .common import _acc_dtype, _chunk_gates, _chunk_rows, _dot_precision, _mm_dtype, _strides, _v_tile
+from ...launch import launch
 
 
 @triton.jit
@@ -300,16 +301,16 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     nw, ns = int(cfg.a_warps), int(cfg.a_stages)
     beta = beta.contiguous()
     ainv = ainv.contiguous()
-    chunk_bwd_out_kernel[(NT, HV, 2)](
+    launch(chunk_bwd_out_kernel, (NT, HV, 2),
         q, k, g_cum, v_new, do, h, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, cu_seqlens, ci.chunk_indices,
         float(scale), T, B * T * HV, *_strides(q), *_strides(k), *_strides(do), num_warps=nw, num_stages=ns,
         **meta, **mm)
     nw, ns = int(cfg.b_warps), int(cfg.b_stages)
-    chunk_bwd_wy_kernel[(NT, HV)](
+    launch(chunk_bwd_wy_kernel, (NT, HV),
         k, v, g_cum, beta, ainv, v_new, dvn, rk, dv, dbeta, dg, dk_v, dg_part,
         cu_seqlens, ci.chunk_indices, T, B * T * HV, *_strides(k), *_strides(v), num_warps=nw, num_stages=ns,
         **meta, **mm)
-    chunk_bwd_qk_kernel[(NT, H)](
+    launch(chunk_bwd_qk_kernel, (NT, H),
         q, k, rq, rk, dq_v, dk_v, dq, dk, cu_seqlens, ci.chunk_indices, float(scale), T, *_strides(q),
         *_strides(k), num_warps=4, **meta)
     return dq, dk, dv, dbeta, dg

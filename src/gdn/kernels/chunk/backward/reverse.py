@@ -22,6 +22,7 @@ from ... import tuning
 from ..plan import choose_reverse_segment_len, plan_segments, prepare_chunk_indices
 from .common import _acc_dtype, _dot_precision, _mm_dtype, _strides
 from .dv_local import dv_local
+from ...launch import launch
 
 
 @triton.jit
@@ -221,7 +222,7 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     S, segments, seg_offsets = plan.S, plan.segments, plan.seg_offsets
     common = dict(meta, num_warps=nw, num_stages=ns)
     if seg is None:
-        chunk_bwd_dh_kernel[(cdiv(V, BV), HV, S)](
+        launch(chunk_bwd_dh_kernel, (cdiv(V, BV), HV, S),
             q, k, w, g_cum, do, rq, rk, dht, dh0, gs, dvn, segments, ci.chunk_offsets, *args,
             VC=V, BV=BV, INIT=1 if dht is not None else 0, HAS_R=True, STORE_STEPS=True, STORE_END=need_dh0,
             END_BY_SEG=False, **common)
@@ -230,21 +231,21 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     rloc = torch.empty(S, HV, K, V, dtype=acc_t, device=dev)
     trans = torch.empty(S, HV, K, K, dtype=acc_t, device=dev)
     xin = torch.empty(S, HV, K, V, dtype=acc_t, device=dev)
-    chunk_bwd_dh_kernel[(cdiv(V, BV), HV, S)](
+    launch(chunk_bwd_dh_kernel, (cdiv(V, BV), HV, S),
         q, k, w, g_cum, do, rq, rk, None, rloc, gs, dvn, segments, ci.chunk_offsets, *args,
         VC=V, BV=BV, INIT=0, HAS_R=True, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True, **common)
     BVK = min(BV, BK)
-    chunk_bwd_dh_kernel[(cdiv(K, BVK), HV, S)](
+    launch(chunk_bwd_dh_kernel, (cdiv(K, BVK), HV, S),
         q, k, w, g_cum, do, rq, rk, None, trans, gs, dvn, segments, ci.chunk_offsets, *args,
         VC=K, BV=BVK, INIT=3, HAS_R=False, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True, **common)
     # (3) sequential merge over segments (K x K times K x V per segment)
     BVM = min(64, max(16, next_pow2(V)))
-    chunk_bwd_dh_merge_kernel[(cdiv(V, BVM), HV, ci.N)](
+    launch(chunk_bwd_dh_merge_kernel, (cdiv(V, BVM), HV, ci.N),
         dht, dh0, trans, rloc, xin, seg_offsets, HV=HV, K=K, V=V, BK=BK, BV=BVM, HAS_DHT=dht is not None,
         HAS_DH0=need_dh0, PREC="ieee" if acc_t == torch.float64 else tuning.chunk_bwd(dev).merge_dot,
         num_warps=8)
     # (4) the final pass of every segment from its true end gradient, storing gs and dvn
-    chunk_bwd_dh_kernel[(cdiv(V, BV), HV, S)](
+    launch(chunk_bwd_dh_kernel, (cdiv(V, BV), HV, S),
         q, k, w, g_cum, do, rq, rk, xin, None, gs, dvn, segments, ci.chunk_offsets, *args,
         VC=V, BV=BV, INIT=2, HAS_R=True, STORE_STEPS=True, STORE_END=False, END_BY_SEG=True, **common)
     return gs, dvn, dh0

@@ -1,0 +1,139 @@
+"""Kernel launches with less host time than ``kernel[grid](*args, **kwargs)``.
+
+Triton's ``JITFunction.run`` spends ~35 us of host time per launch of a 50-argument kernel before the C launcher
+runs (argument binding and specialisation ~24 us, the cache key ~6 us, the rest ~7 us: bench/NOTES.md, "Host
+time"). :func:`launch` keys the compiled kernel by a key of its own instead, computed in ~8 us, and calls the
+compiled kernel's launcher directly, exactly as ``JITFunction.run`` does (same launcher arguments, read in the
+releases listed in ``_PROTOCOL``). The first launch of every key, and every launch where the fast path does not
+apply (Triton's interpreter, a release outside ``_PROTOCOL``, a launch hook set (a profiler's), a callable grid),
+goes through ``kernel[grid]``.
+
+Correctness rests on one property: two calls with equal keys get the same kernel from Triton. Triton specialises
+each argument by (what ``native_specialize_impl`` returns, checked against this module's key by
+``tests/kernels/test_launch.py`` on every release CI runs):
+
+* tensor: its dtype and whether its data pointer is a multiple of 16;
+* int: ``1`` is a constant; otherwise i32 / i64 / u64 by range and whether it is a multiple of 16;
+* bool, float: their type only; None: a constant; a TMA tensor descriptor: its dtype, block shape and layout;
+* a constexpr parameter and every keyword argument (constexprs and options): by value.
+
+The key holds all of that (bools, strings and other values by value: finer, never coarser), plus the device and
+Triton's debug / instrumentation settings. ``VERIFY = True`` (``gdn check`` sets it) makes every fast launch also ask
+Triton which kernel it would run and raise if that is not the one the key found.
+"""
+from __future__ import annotations
+
+import torch
+from triton import knobs as _knobs
+
+try:  # Triton's own stream query (torch's raw current stream), as JITFunction.run uses
+    from torch._C import _cuda_getCurrentRawStream as _raw_stream
+except ImportError:  # pragma: no cover - CPU-only torch builds
+    _raw_stream = None
+
+# releases whose JITFunction.run -> CompiledKernel.run protocol this module reproduces (read in 3.6 and 3.9)
+_PROTOCOL = ((3, 6), (3, 9))
+VERIFY = False
+
+_I32 = 1 << 31
+_I64 = 1 << 63
+_Tensor = torch.Tensor
+_CACHE: dict = {}
+_CONSTEXPR_POSITIONS: dict = {}
+
+
+def _version() -> tuple:
+    import triton
+
+    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in triton.__version__.split(".")[:2])
+
+
+def _enabled() -> bool:
+    import os
+
+    if os.environ.get("TRITON_INTERPRET", "0") == "1" or _raw_stream is None:
+        return False
+    lo, hi = _PROTOCOL
+    return lo <= _version() <= hi
+
+
+_ENABLED = _enabled()
+
+
+def arg_key(a):
+    """This module's key of one non-constexpr argument (see the module docstring): equal keys imply equal Triton
+    specialisations."""
+    c = a.__class__
+    if c is int:
+        if a == 1:
+            return 1
+        return (a & 15) == 0, -_I32 <= a < _I32, a < _I64
+    if c is _Tensor or isinstance(a, _Tensor):
+        return a.dtype, not (a.data_ptr() & 15)
+    if c is float:
+        return float
+    base = getattr(a, "base", None)
+    if isinstance(base, _Tensor):   # a TMA tensor descriptor (Gluon / triton.tools)
+        return base.dtype, tuple(a.block_shape), getattr(a, "layout", None), getattr(a, "padding", None)
+    return a
+
+
+def _constexpr_positions(kernel, n):
+    """Positions < n of constexpr parameters (keyed by value), memoised per kernel and positional count."""
+    k = (id(kernel), n)
+    pos = _CONSTEXPR_POSITIONS.get(k)
+    if pos is None:
+        pos = _CONSTEXPR_POSITIONS[k] = tuple(p.num for p in kernel.params[:n] if p.is_constexpr)
+    return pos
+
+
+def _tail(kernel, n, kwargs):
+    """Values of the parameters after the n positional ones, in signature order (keyword or default), as
+    ``JITFunction.run`` passes them to the launcher."""
+    import inspect
+
+    out = []
+    for p in kernel.params[n:]:
+        v = kwargs.get(p.name, p.default)
+        if v is inspect.Parameter.empty:
+            raise TypeError(f"missing argument {p.name!r} of {kernel}")
+        out.append(v)
+    return tuple(out)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set (Triton >= 3.6 keeps a HookChain there, empty unless a profiler adds to it)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)`` with the host-time fast path above; returns what that returns on the slow
+    path (the compiled kernel), None on the fast path."""
+    if not _ENABLED or callable(grid) or kernel.pre_run_hooks:
+        return kernel[grid](*args, **kwargs)
+    rt = _knobs.runtime
+    if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
+        return kernel[grid](*args, **kwargs)
+    dev = torch.cuda.current_device()
+    cpos = _constexpr_positions(kernel, len(args))
+    key = (id(kernel), dev, rt.debug, _knobs.compilation.instrumentation_mode, tuple(map(arg_key, args)),
+           tuple(kwargs.items()), tuple([args[i] for i in cpos]) if cpos else ())
+    entry = _CACHE.get(key)
+    if entry is None:
+        compiled = kernel[grid](*args, **kwargs)
+        if compiled is not None and hasattr(compiled, "packed_metadata"):
+            _CACHE[key] = (compiled, _tail(kernel, len(args), kwargs), kernel)   # (kernel: keeps its id unique)
+        return compiled
+    compiled, tail, _ = entry
+    if VERIFY:
+        want = kernel.warmup(*args, grid=grid, **kwargs)
+        if want is not compiled:
+            raise RuntimeError(f"gdn.kernels.launch: the key of {kernel} found another compiled kernel than "
+                               f"Triton's own specialisation (Triton {_version()}); launch.VERIFY caught it")
+    n = len(grid)
+    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _raw_stream(dev), compiled.function,
+                 compiled.packed_metadata, None, None, None, *args, *tail)
+    return None
+
+
+__all__ = ["launch", "arg_key", "VERIFY"]

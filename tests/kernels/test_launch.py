@@ -1,0 +1,163 @@
+"""gdn.kernels.launch: its key is at least as fine as Triton's specialisation (checked against the installed Triton's
+own ``native_specialize_impl``, so a release that changes the rules fails here), and the fast path passes the
+launcher what ``JITFunction.run`` would (a stand-in kernel records it; the GPU tests launch for real)."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gdn.kernels import launch as L
+
+triton_jit = pytest.importorskip("triton.runtime.jit")
+_C = pytest.importorskip("triton._C.libtriton")
+from triton.backends.compiler import BaseBackend  # noqa: E402
+
+
+def _triton_spec(a):
+    return _C.native_specialize_impl(BaseBackend, a, False, True, True)
+
+
+_BOUNDS = [0, 1, 2, 15, 16, 17, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, 2**32, 2**63 - 16, 2**63, 2**64 - 16]
+_ints = st.one_of(st.sampled_from(_BOUNDS + [-b for b in _BOUNDS if b <= 2**63]), st.integers(-2**63, 2**40),
+                  st.integers(0, 2**64 - 1))
+
+
+def _refines(values):
+    """Every pair of values with equal gdn keys has equal Triton specialisations."""
+    seen = {}
+    for a in values:
+        k, s = L.arg_key(a), _triton_spec(a)
+        assert seen.setdefault(k, s) == s, (a, k, s, seen[k])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_ints, min_size=2, max_size=40))
+def test_int_key_refines_triton_specialisation(values):
+    _refines(values + _BOUNDS)
+
+
+def test_tensor_float_bool_none_keys_refine_triton_specialisation():
+    base = {dt: torch.empty(256, dtype=dt) for dt in (torch.float32, torch.bfloat16, torch.float16, torch.int32,
+                                                        torch.int64, torch.float64)}
+    views = [t[o:] for t in base.values() for o in range(0, 17)]
+    _refines(views + [0.5, -3.0, 1e30, True, False, None])
+    # the keys do tell apart what Triton tells apart (else the test above would pass on a constant key)
+    t = base[torch.bfloat16]
+    assert L.arg_key(t) != L.arg_key(t[1:]) and L.arg_key(t) == L.arg_key(t[8:])
+    assert L.arg_key(t) != L.arg_key(base[torch.float16])
+    assert len({L.arg_key(v) for v in (1, 2, 16, 2**31, 2**63)}) == 5
+
+
+def test_descriptor_key_refines_triton_specialisation():
+    hopper = pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    gl = pytest.importorskip("triton.experimental.gluon.language")
+    descs = []
+    for dt, gdt in ((torch.bfloat16, gl.bfloat16), (torch.float16, gl.float16)):
+        x = torch.empty(512, 128, dtype=dt)
+        for block in ([64, 128], [64, 64], [128, 64]):
+            lay = gl.NVMMASharedLayout.get_default_for(block, gdt)
+            descs += [hopper.TensorDescriptor.from_tensor(x, block, lay),
+                      hopper.TensorDescriptor.from_tensor(x[64:], block, lay)]
+    _refines(descs)
+    assert len({L.arg_key(d) for d in descs}) == 6
+
+
+def _kernel_src(x_ptr, y_ptr, n, scale, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = False, TAIL: "tl.constexpr" = 7):
+    pass
+
+
+class _Compiled:
+    """Stands in for a CompiledKernel: records what its launcher is given."""
+    function = "fn"
+    packed_metadata = "meta"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class _Kernel:
+    """Stands in for a JITFunction with the real one's parameters; ``kernel[grid]`` (the slow path) is recorded."""
+
+    def __init__(self):
+        self.params = triton_jit.JITFunction(_kernel_src).params
+        self.pre_run_hooks = []
+        self.slow = []
+        self.compiled = {}
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            key = tuple(_triton_spec(a) for a in args) + tuple(sorted(kwargs.items()))
+            self.slow.append(key)
+            return self.compiled.setdefault(key, _Compiled())
+        return run
+
+    def warmup(self, *args, grid, **kwargs):
+        key = tuple(_triton_spec(a) for a in args) + tuple(sorted(kwargs.items()))
+        return self.compiled.setdefault(key, _Compiled())   # compiles (here: makes) what it has not seen
+
+
+@pytest.fixture
+def fast_path(monkeypatch):
+    monkeypatch.setattr(L, "_ENABLED", True)
+    monkeypatch.setattr(L, "_raw_stream", lambda dev: 1234)
+    monkeypatch.setattr(L, "VERIFY", True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(L, "_CACHE", {})
+    monkeypatch.setattr(L, "_CONSTEXPR_POSITIONS", {})
+
+
+def test_fast_path_passes_the_launcher_what_jit_run_would(fast_path):
+    k = _Kernel()
+    x = torch.empty(64)
+    y = torch.empty(64)
+    L.launch(k, (3,), x, y, 32, 0.5, BLOCK=16, num_warps=4)
+    assert len(k.slow) == 1
+    n = torch.randint(1, 100, ()).item() * 16
+    L.launch(k, (5, 2), x, y, n, 0.25, BLOCK=16, num_warps=4)        # same key: fast
+    assert len(k.slow) == 1
+    (compiled,) = k.compiled.values()
+    # grid padded to 3, the stream, the handles, no hooks, then every parameter in signature order with defaults
+    assert compiled.calls == [(5, 2, 1, 1234, "fn", "meta", None, None, None, x, y, n, 0.25, 16, False, 7)]
+    # what Triton tells apart gets a fresh slow launch: alignment, the constant 1, divisibility, constexpr values
+    L.launch(k, (1,), x[1:], y, 32, 0.5, BLOCK=16, num_warps=4)
+    L.launch(k, (1,), x, y, 1, 0.5, BLOCK=16, num_warps=4)
+    L.launch(k, (1,), x, y, 33, 0.5, BLOCK=16, num_warps=4)
+    L.launch(k, (1,), x, y, 32, 0.5, BLOCK=32, num_warps=4)
+    L.launch(k, (1,), x, y, 32, 0.5, 16, num_warps=4)                # BLOCK positional: keyed by value
+    L.launch(k, (1,), x, y, 32, 0.5, 16, True, num_warps=4)
+    L.launch(k, (1,), x, y, 32, 0.5, BLOCK=16, num_warps=8)
+    assert len(k.slow) == 8
+    L.launch(k, (1,), x, y, 32, 0.5, 16, True, num_warps=4)          # repeated: fast, FLAG positional
+    assert len(k.slow) == 8
+    flagged = k.compiled[k.slow[6]]
+    assert flagged is not compiled and flagged.calls[-1][9:] == (x, y, 32, 0.5, 16, True, 7)
+
+
+def test_fast_path_verify_catches_a_key_that_is_too_coarse(fast_path, monkeypatch):
+    k = _Kernel()
+    x = torch.empty(64)
+    monkeypatch.setattr(L, "arg_key", lambda a: 0)                 # a key that ignores everything
+    L.launch(k, (1,), x, x, 32, 0.5, BLOCK=16)
+    with pytest.raises(RuntimeError, match="VERIFY"):
+        L.launch(k, (1,), x[1:], x, 32, 0.5, BLOCK=16)
+
+
+def test_slow_path_where_the_fast_one_does_not_apply(fast_path):
+    k = _Kernel()
+    x = torch.empty(64)
+    for _ in range(2):
+        L.launch(k, lambda meta: (1,), x, x, 32, 0.5, BLOCK=16)     # callable grid
+    k.pre_run_hooks.append(lambda *a, **kw: None)
+    for _ in range(2):
+        L.launch(k, (1,), x, x, 32, 0.5, BLOCK=16)
+    assert len(k.slow) == 4
+
+
+def test_missing_argument_is_a_type_error(fast_path):
+    k = _Kernel()
+    with pytest.raises(TypeError, match="BLOCK"):
+        L._tail(k, 4, {})
+    assert L._tail(k, 4, {"BLOCK": 8}) == (8, False, 7)
