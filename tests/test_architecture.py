@@ -128,3 +128,21 @@ def test_the_checks_would_fail():
                                          ("gdn/kernels/chunk/backward/reverse.py", "gdn.kernels.chunk.plan")])
 def test_relative_imports_resolve(path, expect):
     assert expect in _imports(os.path.join(SRC, path))
+
+
+def test_kernels_launch_through_gdn_launch():
+    """No ``kernel[grid](...)`` outside ``gdn.kernels.launch`` (and the AOT recorder): every launch goes through
+    ``gdn.kernels.launch.launch``, whose key the launch tests check against each Triton release."""
+    found = []
+    for root, _, files in os.walk(os.path.join(SRC, "gdn")):
+        for f in files:
+            path = os.path.join(root, f)
+            if not f.endswith(".py") or _module_name(path) in ("gdn.kernels.launch", "gdn.aot"):
+                continue
+            for node in ast.walk(ast.parse(open(path).read(), path)):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Subscript) and \
+                        ast.unparse(node.func.value).endswith("kernel"):
+                    found.append(f"{_module_name(path)}:{node.lineno}: {ast.unparse(node.func)}")
+    assert not found, found
+    launches = open(os.path.join(SRC, "gdn", "kernels", "chunk", "hopper.py")).read().count("launch(")
+    assert launches >= 2   # the test reads the files it means to (the Gluon launchers call launch)
