@@ -664,3 +664,33 @@ def test_cu_seqlens_cpu_reads_nothing_back(monkeypatch):
     bad[2] = bad[1] - 1
     with pytest.raises(ValueError, match="non-decreasing"):
         chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, cu_seqlens=cu, cu_seqlens_cpu=bad)
+
+
+def test_inference_frees_ainv_before_the_output_kernel(monkeypatch, device):
+    """An inference call (no autograd) drops Ainv / W / U once the state pass has read them, before the output kernel
+    allocates o: the call's peak memory is o + h + v_new, not that plus Ainv. Output still equals the reference."""
+    import weakref
+
+    import gdn.kernels.chunk.forward as F
+
+    seen, alive_at_output = [], []
+    prepare, output = F.chunk_fwd_prepare, F.chunk_output
+
+    def spy_prepare(*a, **kw):
+        out = prepare(*a, **kw)
+        seen.extend(weakref.ref(t) for t in out[1:4] if t is not None)   # Ainv, W, U (not g_cum: the output reads it)
+        return out
+
+    def spy_output(*a, **kw):
+        alive_at_output.append(sum(r() is not None for r in seen))
+        return output(*a, **kw)
+
+    monkeypatch.setattr(F, "chunk_fwd_prepare", spy_prepare)
+    monkeypatch.setattr(F, "chunk_output", spy_output)
+    x = make_inputs(1, 130, 2, 4, 32, 32, device=device)
+    cu = torch.tensor([0, 1, 64, 130], dtype=torch.int32, device=device)
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, output_final_state=True, cu_seqlens=cu)
+    assert seen and alive_at_output == [0]
+    ro, rs = _refs(x, cu=cu)
+    assert rel_err(o, ro) < 1e-4 and rel_err(ht, rs) < 1e-4

@@ -79,3 +79,31 @@ def test_non_contiguous_last_dim_rejected(x):
     q = x.q.transpose(-1, -2).contiguous().transpose(-1, -2)
     with pytest.raises(ValueError, match="q"):
         fr(q, x.k, x.v, x.g, x.beta)
+
+
+@pytest.mark.parametrize("n", [3, 300])   # the host checks of a few sequences (Python) and of many (tensor ops)
+@pytest.mark.parametrize("fault", ["start", "order", "end", None])
+def test_cu_seqlens_host_copy_values(n, fault):
+    """cu_seqlens checked through its host copy: a bad start, order or end raises ValueError before anything runs."""
+    from gdn.ops import chunk_gated_delta_rule
+
+    lens = torch.randint(0, 3, (n,))
+    lens[0] = 2
+    cu = [0] + torch.cumsum(lens, 0).tolist()
+    T = cu[-1]
+    x = make_inputs(1, T, 1, 1, 16, 16, device=DEV)
+    host = list(cu)
+    if fault == "start":
+        host[0] = 1
+    elif fault == "order":
+        host[1], host[2] = host[2] + 1, host[1]
+    elif fault == "end":
+        host[-1] = T + 1
+    cu_d = torch.tensor(cu, dtype=torch.int32, device=DEV)
+    call = lambda: chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, cu_seqlens=cu_d, cu_seqlens_cpu=host)  # noqa: E731
+    if fault is None:
+        assert call()[0].shape == x.v.shape
+    else:
+        with pytest.raises(ValueError, match={"start": "start at 0", "order": "non-decreasing",
+                                              "end": "end at T"}[fault]):
+            call()

@@ -77,6 +77,11 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                     checkpoint_every=checkpoint_every, output=fuse)
     if fuse is not None:
         return fuse["o"], ht, dict(g_cum=g_cum, ainv=ainv, h=None, v_new=None, chunk_index=ci, rk=rk)
+    if not store_ainv:
+        # Ainv (or W / U) is dead once the state pass has read it: freed before the output kernel allocates o, so
+        # the call's peak is o + h + v_new, not o + h + v_new + Ainv (stream order keeps the state pass's reads
+        # before any reuse of the block)
+        ainv = w = u = prep = None
     o = chunk_output(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                      out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rk=rk)
     return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk)
