@@ -87,16 +87,24 @@ class _Kernel:
         self.slow = []
         self.compiled = {}
 
+    def _key(self, args, kwargs):
+        """Triton's key: the bound parameters (runtime ones by specialisation, constexprs by value) and the options."""
+        bound = dict(zip([p.name for p in self.params], args))
+        bound.update({n: v for n, v in kwargs.items() if n not in bound})
+        names = {p.name for p in self.params}
+        spec = tuple((p.name, bound[p.name] if p.is_constexpr else _triton_spec(bound[p.name]))
+                     for p in self.params if p.name in bound)
+        return spec + tuple(sorted((n, v) for n, v in kwargs.items() if n not in names))
+
     def __getitem__(self, grid):
         def run(*args, **kwargs):
-            key = tuple(_triton_spec(a) for a in args) + tuple(sorted(kwargs.items()))
+            key = self._key(args, kwargs)
             self.slow.append(key)
             return self.compiled.setdefault(key, _Compiled())
         return run
 
     def warmup(self, *args, grid, **kwargs):
-        key = tuple(_triton_spec(a) for a in args) + tuple(sorted(kwargs.items()))
-        return self.compiled.setdefault(key, _Compiled())   # compiles (here: makes) what it has not seen
+        return self.compiled.setdefault(self._key(args, kwargs), _Compiled())   # compiles (here: makes) what it has not seen
 
 
 @pytest.fixture
@@ -106,7 +114,7 @@ def fast_path(monkeypatch):
     monkeypatch.setattr(L, "VERIFY", True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(L, "_CACHE", {})
-    monkeypatch.setattr(L, "_CONSTEXPR_POSITIONS", {})
+    monkeypatch.setattr(L, "_SIGNATURES", {})
 
 
 def test_fast_path_passes_the_launcher_what_jit_run_would(fast_path):
@@ -161,3 +169,18 @@ def test_missing_argument_is_a_type_error(fast_path):
     with pytest.raises(TypeError, match="BLOCK"):
         L._tail(k, 4, {})
     assert L._tail(k, 4, {"BLOCK": 8}) == (8, False, 7)
+
+
+def test_runtime_arguments_by_keyword(fast_path):
+    """A runtime argument passed by keyword is keyed like a positional one, and each fast launch passes this call's
+    value (not the first call's)."""
+    k = _Kernel()
+    x, y = torch.empty(64), torch.empty(64)
+    L.launch(k, (1,), x, y, 32, scale=0.5, BLOCK=16)
+    L.launch(k, (1,), x, y, 48, scale=0.25, BLOCK=16)                # same key: fast, with 48 and 0.25
+    L.launch(k, (1,), x, y, n=64, scale=0.125, BLOCK=16)             # n by keyword: another key
+    L.launch(k, (1,), x, y, n=80, scale=0.125, BLOCK=16)             # fast
+    L.launch(k, (1,), x, y, n=81, scale=0.125, BLOCK=16)             # not a multiple of 16: slow
+    assert len(k.slow) == 3
+    calls = [c for comp in k.compiled.values() for c in comp.calls]
+    assert sorted(c[9:13] for c in calls) == [(x, y, 48, 0.25), (x, y, 80, 0.125)]

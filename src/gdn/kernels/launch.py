@@ -2,7 +2,7 @@
 
 Triton's ``JITFunction.run`` spends ~35 us of host time per launch of a 50-argument kernel before the C launcher
 runs (argument binding and specialisation ~24 us, the cache key ~6 us, the rest ~7 us: bench/NOTES.md, "Host
-time"). :func:`launch` keys the compiled kernel by a key of its own instead, computed in ~8 us, and calls the
+time"). :func:`launch` keys the compiled kernel by a key of its own instead (~12 us in all), and calls the
 compiled kernel's launcher directly, exactly as ``JITFunction.run`` does (same launcher arguments, read in the
 releases listed in ``_PROTOCOL``). The first launch of every key, and every launch where the fast path does not
 apply (Triton's interpreter, a release outside ``_PROTOCOL``, a launch hook set (a profiler's), a callable grid),
@@ -15,7 +15,8 @@ each argument by (what ``native_specialize_impl`` returns, checked against this 
 * tensor: its dtype and whether its data pointer is a multiple of 16;
 * int: ``1`` is a constant; otherwise i32 / i64 / u64 by range and whether it is a multiple of 16;
 * bool, float: their type only; None: a constant; a TMA tensor descriptor: its dtype, block shape and layout;
-* a constexpr parameter and every keyword argument (constexprs and options): by value.
+* a constexpr parameter and every keyword argument (constexprs and options): by value; a runtime argument passed
+  by keyword: by its key, as a positional one.
 
 The key holds all of that (bools, strings and other values by value: finer, never coarser), plus the device and
 Triton's debug / instrumentation settings. ``VERIFY = True`` (``gdn check`` sets it) makes every fast launch also ask
@@ -39,7 +40,7 @@ _I32 = 1 << 31
 _I64 = 1 << 63
 _Tensor = torch.Tensor
 _CACHE: dict = {}
-_CONSTEXPR_POSITIONS: dict = {}
+_SIGNATURES: dict = {}
 
 
 def _version() -> tuple:
@@ -78,27 +79,29 @@ def arg_key(a):
     return a
 
 
-def _constexpr_positions(kernel, n):
-    """Positions < n of constexpr parameters (keyed by value), memoised per kernel and positional count."""
-    k = (id(kernel), n)
-    pos = _CONSTEXPR_POSITIONS.get(k)
-    if pos is None:
-        pos = _CONSTEXPR_POSITIONS[k] = tuple(p.num for p in kernel.params[:n] if p.is_constexpr)
-    return pos
+def _signature(kernel):
+    """(names, defaults, runtime names) of the kernel's parameters, memoised per kernel."""
+    sig = _SIGNATURES.get(id(kernel))
+    if sig is None:
+        import inspect
+
+        params = kernel.params
+        sig = _SIGNATURES[id(kernel)] = (
+            tuple(p.name for p in params), tuple(p.default for p in params),
+            frozenset(p.name for p in params if not p.is_constexpr), tuple(p.is_constexpr for p in params),
+            inspect.Parameter.empty, kernel)   # (kernel: keeps its id unique)
+    return sig
 
 
 def _tail(kernel, n, kwargs):
     """Values of the parameters after the n positional ones, in signature order (keyword or default), as
     ``JITFunction.run`` passes them to the launcher."""
-    import inspect
-
-    out = []
-    for p in kernel.params[n:]:
-        v = kwargs.get(p.name, p.default)
-        if v is inspect.Parameter.empty:
-            raise TypeError(f"missing argument {p.name!r} of {kernel}")
-        out.append(v)
-    return tuple(out)
+    names, defaults, _, _, empty, _ = _signature(kernel)
+    out = tuple([kwargs.get(name, d) for name, d in zip(names[n:], defaults[n:])])
+    for name, v in zip(names[n:], out):
+        if v is empty:
+            raise TypeError(f"missing argument {name!r} of {kernel}")
+    return out
 
 
 def _hooked(hook) -> bool:
@@ -115,23 +118,30 @@ def launch(kernel, grid, *args, **kwargs):
     if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
         return kernel[grid](*args, **kwargs)
     dev = torch.cuda.current_device()
-    cpos = _constexpr_positions(kernel, len(args))
-    key = (id(kernel), dev, rt.debug, _knobs.compilation.instrumentation_mode, tuple(map(arg_key, args)),
-           tuple(kwargs.items()), tuple([args[i] for i in cpos]) if cpos else ())
+    n = len(args)
+    _, _, runtime, is_constexpr, _, _ = _signature(kernel)
+    # keywords: constexprs / options by value, runtime arguments (passed by keyword) by their key
+    dynamic = not runtime.isdisjoint(kwargs)
+    kw_key = tuple([(k, arg_key(v)) if k in runtime else (k, v) for k, v in kwargs.items()]) if dynamic else \
+        tuple(kwargs.items())
+    key = (id(kernel), dev, rt.debug, _knobs.compilation.instrumentation_mode, tuple(map(arg_key, args)), kw_key,
+           tuple([a for a, c in zip(args, is_constexpr) if c]) if True in is_constexpr[:n] else ())
     entry = _CACHE.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
         if compiled is not None and hasattr(compiled, "packed_metadata"):
-            _CACHE[key] = (compiled, _tail(kernel, len(args), kwargs), kernel)   # (kernel: keeps its id unique)
+            _CACHE[key] = (compiled, None if dynamic else _tail(kernel, n, kwargs))
         return compiled
-    compiled, tail, _ = entry
+    compiled, tail = entry
+    if tail is None:   # runtime arguments among the keywords: this call's values
+        tail = _tail(kernel, n, kwargs)
     if VERIFY:
         want = kernel.warmup(*args, grid=grid, **kwargs)
         if want is not compiled:
             raise RuntimeError(f"gdn.kernels.launch: the key of {kernel} found another compiled kernel than "
                                f"Triton's own specialisation (Triton {_version()}); launch.VERIFY caught it")
-    n = len(grid)
-    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _raw_stream(dev), compiled.function,
+    g = len(grid)
+    compiled.run(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1, _raw_stream(dev), compiled.function,
                  compiled.packed_metadata, None, None, None, *args, *tail)
     return None
 
