@@ -553,3 +553,27 @@ def test_gpu_session_resumes_a_bench_that_lost_its_cuda_context(tmp_path, monkey
     calls = log.read_text().splitlines()
     assert rc == 0 and calls == ["--ops decode --resume-from old.json", "--ops decode --resume"]
     assert "bench   ok" in capsys.readouterr().out
+
+
+def test_profile_host_times_rows(monkeypatch):
+    """``gdn profile --host`` (CUDA calls stood in for on CPU; the op runs on the interpreter): one row per shape and
+    mode with positive host and wall times, written to --out; forward + backward takes longer than the forward."""
+    import json
+    import tempfile
+
+    import gdn.benchmark.profile as P
+
+    made = P._inputs
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda n: None)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    monkeypatch.setattr(P, "_inputs", lambda N, T, H, HV, device: made(N, T, H, HV, "cpu", K=32, V=32))
+    with tempfile.TemporaryDirectory() as d:
+        out = f"{d}/host.json"
+        rows = P.host_times("2x33:1/2", iters=1, forward_only=True, out=out, print_fn=lambda *a: None)
+        rows += P.host_times("2x33:1/2", iters=1, forward_only=False, print_fn=lambda *a: None)
+        assert json.load(open(out)) == rows[:1]
+    assert [(r["shape"], r["mode"]) for r in rows] == [("2x33:1/2", "fwd"), ("2x33:1/2", "fwd+bwd")]
+    assert all(r["host_ms"] > 0 and r["wall_ms"] > 0 for r in rows)
+    assert rows[1]["wall_ms"] > rows[0]["wall_ms"]

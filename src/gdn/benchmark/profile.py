@@ -5,6 +5,7 @@ layer (``--layer-decode N``). The tool for an A/B of a tuning field::
     gdn profile --shapes 1x32768:16/32,4x4096:16/32 --out $OUT/profile.json
     GDN_TUNE=chunk_fwd.state_stages=3 gdn profile --forward --out $OUT/profile_stages3.json
     gdn profile --layer-decode 256 --state-dtype fp32 --layout v_last --out $OUT/layer_decode.json
+    gdn profile --host --forward --shapes 1x8192:16/32,1x8192:8/16 --out $OUT/host.json   # host vs wall per call
 
 Inputs per shape ``NxT:H/HV``: bf16 q/k/v/beta, fp32 g, K = V = 128, L2 norm on, fp32 initial and final state; one
 warm-up call, then ``--iters`` profiled calls; prints every kernel's mean time per call (us) and their sum.
@@ -100,6 +101,66 @@ def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = Fal
     return rows
 
 
+def host_times(shapes: str, iters: int = 20, forward_only: bool = False, out=None, print_fn=print):
+    """Host time of the chunked op per call, shape by shape, called the way serving engines call it (``B = 1``,
+    ``cu_seqlens`` with its host copy ``cu_seqlens_cpu``; ``N`` sequences of ``T`` tokens): ``host_ms``, the CPU time
+    to enqueue one call while the GPU is held busy (``torch.cuda._sleep`` ahead, so no call waits for the GPU);
+    ``wall_ms``, the time per call back to back (what ``gdn bench`` sees). ``host_ms`` near ``wall_ms``: the row is
+    host-bound. Best of three rounds of ``iters`` calls each. Returns rows ``{shape, mode, host_ms, wall_ms}``."""
+    import json
+    import time
+
+    from gdn.ops import chunk_gated_delta_rule
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("gdn profile needs a CUDA device")
+    mode = "fwd" if forward_only else "fwd+bwd"
+    rows = []
+    for (N, T, H, HV) in parse_shapes(shapes):
+        q, k, v, gl, beta, h0, do = _inputs(N, T, H, HV, "cuda")
+        # the N sequences packed along T of one batch row
+        q, k, v, gl, beta = (t.detach().reshape(1, N * T, *t.shape[2:]).requires_grad_(not forward_only)
+                             for t in (q, k, v, gl, beta))
+        do = do.reshape(1, N * T, *do.shape[2:])
+        cu_cpu = torch.arange(0, N * T + 1, T, dtype=torch.int32)
+        cu = cu_cpu.cuda()
+
+        def step():
+            with torch.set_grad_enabled(not forward_only):
+                o, _ = chunk_gated_delta_rule(q, k, v, gl, beta, scale=128 ** -0.5, initial_state=h0,
+                                              output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu,
+                                              use_qk_l2norm_in_kernel=True)
+                if not forward_only:
+                    torch.autograd.grad(o, (q, k, v, gl, beta), do)
+
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        host, wall = [], []
+        for _ in range(3):
+            torch.cuda._sleep(int(2e9))     # ~1 s of GPU time: every call below is enqueued behind it
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            host.append((time.perf_counter() - t0) / iters * 1e3)
+            torch.cuda.synchronize()
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                step()
+            torch.cuda.synchronize()
+            wall.append((time.perf_counter() - t0) / iters * 1e3)
+        row = dict(shape=f"{N}x{T}:{H}/{HV}", mode=mode, host_ms=min(host), wall_ms=min(wall))
+        print_fn(f"{row['shape']:>16} {mode:7}  host {row['host_ms']:.3f} ms  wall {row['wall_ms']:.3f} ms"
+                 f"{'  (host-bound)' if row['host_ms'] > 0.9 * row['wall_ms'] else ''}")
+        rows.append(row)
+    if out:
+        with open(out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
 def layer_decode(N: int, state_dtype: str = "fp32", layout: str = "v_last", hidden: int = 2048, H: int = 16,
                  HV: int = 32, iters: int = 20, out=None, print_fn=print):
     """Kernels of one cached decode step of :class:`gdn.layers.GatedDeltaNet` (bf16 weights, ``N`` sequences x 1
@@ -154,6 +215,8 @@ def add_arguments(p):
     p.add_argument("--forward", action="store_true", help="the forward only (default: forward + backward)")
     p.add_argument("--fla", action="store_true", help="also profile fla's chunked op when importable")
     p.add_argument("--out", default=None, help="write the rows here (JSON)")
+    p.add_argument("--host", action="store_true",
+                   help="host time per call (GPU held busy) and wall time per call, varlen as engines call it")
     p.add_argument("--layer-decode", type=int, default=0, metavar="N",
                    help="profile one cached decode step of the GatedDeltaNet layer for N sequences instead")
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="--layer-decode: state dtype")
@@ -163,9 +226,11 @@ def add_arguments(p):
 def main(args) -> int:
     if args.layer_decode:
         layer_decode(args.layer_decode, args.state_dtype, args.layout, iters=max(args.iters, 20), out=args.out)
+    elif args.host:
+        host_times(args.shapes, max(args.iters, 10), args.forward, args.out)
     else:
         run(args.shapes, args.iters, args.forward, args.fla, args.out)
     return 0
 
 
-__all__ = ["run", "layer_decode", "kernel_times", "parse_shapes", "add_arguments", "main"]
+__all__ = ["run", "host_times", "layer_decode", "kernel_times", "parse_shapes", "add_arguments", "main"]
