@@ -2,6 +2,7 @@
 import torch
 import triton
 import triton.language as tl
+
 from .launch import launch
 
 
@@ -69,5 +70,5 @@ def l2_rnorm(x: torch.Tensor) -> torch.Tensor:
     if n:
         BR = 32
         launch(l2_rnorm_kernel, (cdiv(n, BR),), x, r, n, T, x.stride(0), x.stride(1), x.stride(2), H=H, K=K,
-                                               BK=next_pow2(max(16, K)), BR=BR, num_warps=4)
+               BK=next_pow2(max(16, K)), BR=BR, num_warps=4)
     return r

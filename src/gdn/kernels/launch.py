@@ -24,8 +24,13 @@ Triton which kernel it would run and raise if that is not the one the key found.
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 from triton import knobs as _knobs
+
+from ..config import triton_interpret
+from . import _compat
 
 try:  # Triton's own stream query (torch's raw current stream), as JITFunction.run uses
     from torch._C import _cuda_getCurrentRawStream as _raw_stream
@@ -46,13 +51,11 @@ _SIGNATURES: dict = {}
 def _version() -> tuple:
     import triton
 
-    return tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in triton.__version__.split(".")[:2])
+    return _compat._version(triton.__version__)
 
 
 def _enabled() -> bool:
-    import os
-
-    if os.environ.get("TRITON_INTERPRET", "0") == "1" or _raw_stream is None:
+    if triton_interpret() or _raw_stream is None:
         return False
     lo, hi = _PROTOCOL
     return lo <= _version() <= hi
@@ -80,26 +83,24 @@ def arg_key(a):
 
 
 def _signature(kernel):
-    """(names, defaults, runtime names) of the kernel's parameters, memoised per kernel."""
-    sig = _SIGNATURES.get(id(kernel))
-    if sig is None:
-        import inspect
-
+    """(names, defaults, runtime parameter names, is-constexpr flags) of the kernel's parameters, memoised per
+    kernel (the entry keeps the kernel alive, so its id stays its own)."""
+    entry = _SIGNATURES.get(id(kernel))
+    if entry is None:
         params = kernel.params
-        sig = _SIGNATURES[id(kernel)] = (
-            tuple(p.name for p in params), tuple(p.default for p in params),
-            frozenset(p.name for p in params if not p.is_constexpr), tuple(p.is_constexpr for p in params),
-            inspect.Parameter.empty, kernel)   # (kernel: keeps its id unique)
-    return sig
+        sig = (tuple(p.name for p in params), tuple(p.default for p in params),
+               frozenset(p.name for p in params if not p.is_constexpr), tuple(p.is_constexpr for p in params))
+        entry = _SIGNATURES[id(kernel)] = (sig, kernel)
+    return entry[0]
 
 
 def _tail(kernel, n, kwargs):
     """Values of the parameters after the n positional ones, in signature order (keyword or default), as
     ``JITFunction.run`` passes them to the launcher."""
-    names, defaults, _, _, empty, _ = _signature(kernel)
+    names, defaults, _, _ = _signature(kernel)
     out = tuple([kwargs.get(name, d) for name, d in zip(names[n:], defaults[n:])])
     for name, v in zip(names[n:], out):
-        if v is empty:
+        if v is inspect.Parameter.empty:
             raise TypeError(f"missing argument {name!r} of {kernel}")
     return out
 
@@ -119,7 +120,7 @@ def launch(kernel, grid, *args, **kwargs):
         return kernel[grid](*args, **kwargs)
     dev = torch.cuda.current_device()
     n = len(args)
-    _, _, runtime, is_constexpr, _, _ = _signature(kernel)
+    _, _, runtime, is_constexpr = _signature(kernel)
     # keywords: constexprs / options by value, runtime arguments (passed by keyword) by their key
     dynamic = not runtime.isdisjoint(kwargs)
     kw_key = tuple([(k, arg_key(v)) if k in runtime else (k, v) for k, v in kwargs.items()]) if dynamic else \

@@ -277,16 +277,20 @@ def run_recurrent(q, k, v, plan: RecurrentPlan, *, g=None, beta=None, A_log=None
         inplace = plan.write_mode in (WRITE_SAME_ROW, WRITE_PER_TOKEN)
         if not _raw_gates_rowwise(a, b):
             a, b = contig(a), contig(b)
-        args = (q, k, v, o, contig(g), contig(beta), contig(A_log), a, contig(dt_bias), b,
-                None if inplace else state_in, final, ssm_state_indices, num_accepted_tokens, cu_seqlens,
-                plan.scale, plan.read_mode, plan.write_mode, bool(l2norm), plan.state_layout == "k_last", plan.T,
-                plan.N, cache, cache_idx, parent, output_state_indices)
+        g, beta, A_log, dt_bias = contig(g), contig(beta), contig(A_log), contig(dt_bias)
+
+        def launch_args(state_out, per_token_cache):
+            return (q, k, v, o, g, beta, A_log, a, dt_bias, b, None if inplace else state_in, state_out,
+                    ssm_state_indices, num_accepted_tokens, cu_seqlens, plan.scale, plan.read_mode, plan.write_mode,
+                    bool(l2norm), plan.state_layout == "k_last", plan.T, plan.N, per_token_cache, cache_idx, parent,
+                    output_state_indices)
+
         if torch.compiler.is_compiling():
-            none = q.new_empty(0)
-            torch.ops.gdn.recurrent_fwd(*args[:11], none if final is None else final, *args[12:22],
-                                        none if cache is None else cache, *args[23:])
+            none = q.new_empty(0)   # the op's "none" for the tensors it mutates (see _recurrent_fwd_op)
+            torch.ops.gdn.recurrent_fwd(*launch_args(none if final is None else final,
+                                                     none if cache is None else cache))
         else:  # eager: skip the dispatcher's overhead on the decode hot path
-            _launch(*args)
+            _launch(*launch_args(final, cache))
     else:
         with torch.no_grad():
             _recurrent_torch(q, k, v, o, plan, g, beta, A_log, a, dt_bias, b, state_in, final, ssm_state_indices,

@@ -37,8 +37,9 @@ def _empty(*shape, device, dtype) -> torch.Tensor:
 
 
 def _launch(kernel, grid, *args, maxnreg=0, **kwargs):
-    """``launch(kernel, grid, *args, **kwargs)`` (:mod:`gdn.kernels.launch`); when the config asks for more shared memory than the GPU has (e.g. fp32
-    operands with K = 256), retry with fewer pipeline stages (nothing has run when that error is raised).
+    """``launch(kernel, grid, *args, **kwargs)`` (:mod:`gdn.kernels.launch`); when the config asks for more shared
+    memory than the GPU has (e.g. fp32 operands with K = 256), retry with fewer pipeline stages (nothing has run when
+    that error is raised).
     ``maxnreg`` > 0 caps registers per thread (more resident CTAs for the throughput kernels)."""
     if maxnreg and int(maxnreg) > 0:
         kwargs["maxnreg"] = int(maxnreg)
