@@ -268,6 +268,27 @@ def test_forced_segments(seg):
     _check(o, ht, ro, rht, torch.float32)
 
 
+def test_one_wave_segments_for_the_fused_final_pass(monkeypatch):
+    """Segments re-planned for a fused final pass: the fewest power-of-two segments (no shorter than the planner's)
+    whose grid V / tile x HV x segments fits one CTA per SM, at V tile 32 first; none where no split fits."""
+    from gdn.kernels.chunk import state
+    from gdn.kernels.chunk.plan import plan_segments, prepare_chunk_indices
+
+    monkeypatch.setattr(state, "_num_sms", lambda dev: 132)
+    dev = torch.device("cpu")
+    ci = prepare_chunk_indices(None, 65536, 64, 1, device=dev)                      # 1024 chunks
+    bv, plan = state._one_wave_segments(ci, 8, 128, dev, plan_segments(ci, 64, dev))
+    assert (bv, plan.S, plan.seg_len) == (32, 4, 256)                              # 4 x 8 x 4 = 128 CTAs
+    assert plan.segments[:, 1].tolist() == [0, 256, 512, 768] and plan.segments[:, 2].tolist()[-1] == 1024
+    cu = torch.tensor([0, 64 * 100, 64 * 100 + 64 * 30 + 5], dtype=torch.int32)      # 100 and 31 chunks
+    ci2 = prepare_chunk_indices(cu, int(cu[-1]), 64, 1, device=dev)
+    bv, plan = state._one_wave_segments(ci2, 16, 128, dev, plan_segments(ci2, 8, dev))
+    # V tile 32 leaves room for 2 segments (no split of the 100-chunk sequence); V tile 64 for 4: 64 + 36, 31
+    assert (bv, plan.S, plan.seg_len) == (64, 3, 64)
+    bv, plan = state._one_wave_segments(ci, 64, 128, dev, plan_segments(ci, 64, dev))
+    assert bv == 0                                                                  # 64 heads: one segment is a wave
+
+
 def test_tune_env_var_forces(monkeypatch):
     """GDN_TUNE reaches the launchers at call time (forced segments, a smaller state tile)."""
     from gdn.kernels import tuning

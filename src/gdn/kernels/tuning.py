@@ -55,6 +55,10 @@ class ChunkForward:
     # sm_90: where the Gluon state pass takes the final pass of an ainv-mode forward that needs no h / v_new, compute
     # the output in the same kernel (a second warpgroup; hopper._chunk_fused_sm90_kernel) instead of the output kernel
     state_sm90_fused: bool = True
+    # ... also as the final pass of segmented plans (few heads over long sequences), with segments re-planned so that
+    # its grid fits one wave (state._one_wave_segments): no h / v_new in memory there either. H100 A/B in
+    # bench/NOTES.md (kernel sums 1x8192 4/8 351 -> 206 us, 8/16 396 -> 341, 1x65536 2/8 1255 -> 1191)
+    state_sm90_fused_segmented: bool = True
     # output kernel; output_heads: value heads per program sharing q, k, q k^T (0 = all HV / H). H200 A/B
     # (gdn profile --forward, 5 target shapes): heads 0 + BV 128 cut the output kernel 22-41% (1x8192 16/32 176 ->
     # 123 us) by reading q / k once per q/k head instead of once per (value head, V tile); output_BV is halved for

@@ -288,10 +288,31 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg):
     plan, sm90_tile = _pass_plan(ci, HV, K, V, dev, True, segment_chunks)
     # unsegmented grids larger than one wave at every V tile (batches of several sequences): still the fused kernel,
     # at V tile 64 (H200 kernel sums against the portable pass + output kernel: 4x4096 16/32 0.696 -> 0.572 ms,
-    # 8x2048 0.700 -> 0.573, 64x256 0.778 -> 0.658; bench/NOTES.md). Segmented plans (long sequences, few heads)
-    # keep the portable final pass: in gdn bench 1x8192 8/16 went 0.63 -> 1.15 ms that way
+    # 8x2048 0.700 -> 0.573, 64x256 0.778 -> 0.658; bench/NOTES.md)
     bv = sm90_tile(plan.S * HV) or (64 if V % 64 == 0 and not plan.segmented else 0)
+    forced = (segment_chunks if segment_chunks is not None else cfg.segment_chunks) or cfg.state_sm90_BV
+    if plan.segmented and cfg.state_sm90_fused_segmented and not forced:
+        # segmented plans (long sequences, few heads): segments re-planned so that the fused final pass fits one wave
+        # (with the planner's segments its grid took several: gdn bench 1x8192 8/16 0.63 -> 1.15 ms, H200)
+        bv, plan = _one_wave_segments(ci, HV, V, dev, plan)
     return (bv, plan) if bv and hopper.fused_supported(q, k, bv) else (0, None)
+
+
+def _one_wave_segments(ci: ChunkIndex, HV: int, V: int, dev, plan):
+    """(V tile, segment plan) for a fused final pass over segments whose grid (V / tile x HV x segments) fits one wave
+    of CTAs, one per SM: the longest segments (fewest, power-of-two chunk counts, no shorter than the planner's) that
+    split the work over the most SMs, at V tile 32, else 64; (0, plan) where neither splits a sequence in two."""
+    sms = _num_sms(dev)
+    for bv in (32, 64):
+        if V % bv:
+            continue
+        room = sms // (HV * (V // bv))
+        L = max(1, plan.seg_len)
+        while L < max(ci.nchunks) and sum(-(-nc // L) if nc else 1 for nc in ci.nchunks) > room:
+            L *= 2
+        if L < max(ci.nchunks):
+            return bv, plan_segments(ci, L, dev)
+    return 0, plan
 
 
 def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[torch.Tensor], g_cum: torch.Tensor,
