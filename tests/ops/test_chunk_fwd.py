@@ -289,6 +289,42 @@ def test_one_wave_segments_for_the_fused_final_pass(monkeypatch):
     assert bv == 0                                                                  # 64 heads: one segment is a wave
 
 
+@pytest.mark.parametrize("form", ["one sequence", "varlen one sequence", "batch"])
+@pytest.mark.parametrize("layout", ["v_last", "k_last"])
+def test_inference_forward_in_pieces_equals_whole(monkeypatch, form, layout):
+    """chunk_fwd.piece_token_heads: an inference forward in pieces (spans of whole chunks of one sequence carrying
+    the state, or groups of whole sequences) gives bitwise the output and final state of the call in one piece (same
+    per-chunk arithmetic; the state passes between spans in fp32), with the pieces really taken."""
+    import gdn.kernels.chunk.forward as F
+    from gdn.kernels import tuning
+
+    T = 5 * C + 5 if form != "batch" else C + 7
+    B = 3 if form == "batch" else 1
+    H, HV, K, V = 1, 2, 32, 16
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
+    h0 = _state(B, HV, K, V, layout)
+    cu = torch.tensor([0, T], dtype=torch.int32) if form == "varlen one sequence" else None
+    calls = []
+    real = F._forward_in_pieces
+    monkeypatch.setattr(F, "_forward_in_pieces", lambda *a: calls.append(a[10]) or real(*a))
+
+    def run(piece, most=4):
+        with tuning.override("chunk_fwd", piece_token_heads=piece, piece_max=most, debug_poison=True), torch.no_grad():
+            return chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                          cu_seqlens=cu, use_qk_l2norm_in_kernel=True, state_layout=layout)
+
+    o1, ht1 = run(0)
+    assert not calls
+    o2, ht2 = run(B * T * HV // 3)     # three pieces (batch: one sequence each; one sequence: spans of 2 chunks, the
+    #                                    last 69 tokens ending mid-chunk)
+    assert calls == [3]
+    assert torch.equal(o1, o2) and torch.equal(ht1, ht2)
+    o3, ht3 = run(B * T * HV // 3, most=2)      # piece_max caps the count
+    assert calls == [3, 2] and torch.equal(o1, o3) and torch.equal(ht1, ht3)
+    ro, rht = _refs(x, h0=h0, cu=cu, l2=True, layout=layout)
+    _check(o2, ht2, ro, rht, torch.bfloat16)
+
+
 def test_tune_env_var_forces(monkeypatch):
     """GDN_TUNE reaches the launchers at call time (forced segments, a smaller state tile)."""
     from gdn.kernels import tuning

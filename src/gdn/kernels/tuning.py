@@ -59,6 +59,14 @@ class ChunkForward:
     # its grid fits one wave (state._one_wave_segments): no h / v_new in memory there either. H100 A/B in
     # bench/NOTES.md (kernel sums 1x8192 4/8 351 -> 206 us, 8/16 396 -> 341, 1x65536 2/8 1255 -> 1191)
     state_sm90_fused_segmented: bool = True
+    # an inference forward (no pool, no checkpoints, one sequence or a batch of equal ones) of n >= 2 x
+    # piece_token_heads token x value heads runs in min(piece_max, n / piece_token_heads) pieces one after the other
+    # (forward._forward_in_pieces): one piece's intermediates (Ainv, P: as many bytes as o) in memory at a time. H100,
+    # gdn bench with FlashInfer (bench/NOTES.md): 1x32768 16/32 peak 524 -> 393 MB (FlashInfer 514) for +1.6% time;
+    # each piece adds ~25 us of GPU time (kernel ramps) and a launch pair of host time, hence the size floor and the
+    # cap; 0 = never
+    piece_token_heads: int = 1 << 19
+    piece_max: int = 2
     # output kernel; output_heads: value heads per program sharing q, k, q k^T (0 = all HV / H). H200 A/B
     # (gdn profile --forward, 5 target shapes): heads 0 + BV 128 cut the output kernel 22-41% (1x8192 16/32 176 ->
     # 123 us) by reading q / k once per q/k head instead of once per (value head, V tile); output_BV is halved for

@@ -32,7 +32,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                cu_seqlens=None, chunk_size=CHUNK_SIZE, use_qk_l2norm_in_kernel=False, *,
                                state_layout="v_last", state_indices=None, final_state=None,
                                segment_chunks=None, h_dtype=None, store_ainv=False, cu_seqlens_cpu=None,
-                               final_indices=None, checkpoint_indices=None, checkpoint_every=0, return_states=True):
+                               final_indices=None, checkpoint_indices=None, checkpoint_every=0, return_states=True,
+                               out=None, _whole=False):
     """The whole forward. Returns ``(o [B, T, HV, V] in v's dtype, final state or None, aux dict)``.
 
     ``initial_state``/``final_state``/``state_indices``/``final_indices``/``checkpoint_indices``/``checkpoint_every``
@@ -42,7 +43,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     output kernel and again by the backward)).
     ``cu_seqlens_cpu``: host copy of cu_seqlens (nothing read back from the device; :func:`prepare_chunk_indices`).
     ``return_states=False``: the caller needs no h / v_new; on Hopper the state pass then computes the output itself
-    (one kernel fewer, no h / v_new in memory) and aux["h"] / aux["v_new"] are None."""
+    (one kernel fewer, no h / v_new in memory) and aux["h"] / aux["v_new"] are None; such a call over more token x
+    value heads than twice the ``chunk_fwd.piece_token_heads`` field runs in pieces (:func:`_forward_in_pieces`).
+    ``out``: o [B, T, HV, V] (contiguous, v's dtype) to write instead of a new tensor."""
     _check_chunk_size(chunk_size)
     B, T, H, K = q.shape
     ci = prepare_chunk_indices(cu_seqlens, T, chunk_size, B, device=q.device, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -51,11 +54,18 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     from_ainv = cfg.state_mode == "ainv"
     a_dtype = torch.float32 if cfg.ainv_dtype == "fp32" else dt
     l2 = bool(use_qk_l2norm_in_kernel)
-    rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
     ckpt = checkpoint_indices is not None and checkpoint_indices.shape[1] > 0
     # Hopper: the output computed by the state pass itself (P and qf from the prepare kernel; no h / v_new in memory)
     bv_fused, plan = (fused_output_plan(q, k, v, ci, segment_chunks, ckpt)
                       if (not return_states and from_ainv and a_dtype == dt) else (0, None))
+    if cfg.piece_token_heads and not (_whole or return_states or store_ainv or ckpt or final_indices is not None) \
+            and state_indices is None and final_state is None and (ci.N == 1 or cu_seqlens is None) \
+            and not (plan is not None and plan.segmented):
+        pieces = min(ci.NT if ci.N == 1 else B, int(cfg.piece_max), (B * T * v.shape[2]) // int(cfg.piece_token_heads))
+        if pieces > 1:
+            return _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, l2, state_layout,
+                                      pieces, ci, out)
+    rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
                              ainv_dtype=a_dtype, rk=rk, q=q if bv_fused else None, scale=scale)
@@ -65,9 +75,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     fuse = None
     if bv_fused:
-        fuse = dict(q=q, p=prep[4], qf=prep[5], o=_empty(B, T, v.shape[2], v.shape[3], device=q.device,
-                                                         dtype=v.dtype), o_idx=state_indices, PO=P, BV=bv_fused,
-                    plan=plan)
+        o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
+        fuse = dict(q=q, p=prep[4], qf=prep[5], o=o, o_idx=state_indices, PO=P, BV=bv_fused, plan=plan)
     h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
                                     use_qk_l2norm_in_kernel, v=v if from_ainv else None,
                                     beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,
@@ -84,7 +93,46 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
         ainv = w = u = prep = None
     o = chunk_output(q, k, v_new, h, g_cum, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                      out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rk=rk)
+    if out is not None:
+        o = out.copy_(o)
     return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk)
+
+
+def _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, l2, layout, pieces, ci, out):
+    """An inference forward (no h / v_new / Ainv kept, no pool) in ``pieces`` pieces run one after the other, so
+    that the intermediates of one piece (Ainv, P, ...: as many bytes as o) are in memory at a time, not the whole
+    call's: a batch of B sequences in groups of whole sequences, one sequence in spans of whole chunks, each span
+    starting from the state the previous one ended in (an fp32 state in ``layout``, overwritten in place: every
+    program of the state pass reads its tile of the start state before it writes the same tile of the end state).
+    The pieces are as parallel as the whole (groups of sequences: the whole ran in as many waves; spans: the same
+    programs per chunk step). Varlen input here has one sequence, so its cu_seqlens is [0, T] and B == 1."""
+    B, T = q.shape[:2]
+    HV, V, K = v.shape[2], v.shape[3], k.shape[3]
+    sshape = (HV, K, V) if layout == "v_last" else (HV, V, K)
+    o = out if out is not None else _empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    ht = None
+
+    def run(sl, h0, final, want):
+        return chunk_gated_delta_rule_fwd(q[sl], k[sl], v[sl], g[sl], beta[sl], scale, h0, want, None, CHUNK_SIZE, l2,
+                                          state_layout=layout, final_state=final, return_states=False, out=o[sl],
+                                          _whole=True)[1]
+
+    if ci.N > 1:    # groups of whole sequences (batched input)
+        rows = -(-B // pieces)
+        ht = _empty(B, *sshape, device=q.device, dtype=torch.float32) if output_final_state else None
+        for b0 in range(0, B, rows):
+            sl = slice(b0, b0 + rows)
+            run(sl, None if initial_state is None else initial_state[sl], None if ht is None else ht[sl], False)
+        return o, ht, dict(g_cum=None, ainv=None, h=None, v_new=None, chunk_index=ci, rk=None)
+    span = -(-ci.NT // pieces) * CHUNK_SIZE
+    carry = _empty(1, *sshape, device=q.device, dtype=torch.float32)
+    h0 = initial_state
+    for t0 in range(0, T, span):
+        sl = (slice(None), slice(t0, t0 + span))
+        last = t0 + span >= T
+        ht = run(sl, h0, None if last else carry, last and output_final_state)
+        h0 = carry
+    return o, ht, dict(g_cum=None, ainv=None, h=None, v_new=None, chunk_index=ci, rk=None)
 
 
 __all__ = ["chunk_gated_delta_rule_fwd"]
