@@ -498,6 +498,16 @@ def test_prepare_elementwise_check_passes():
     assert not bad, bad
 
 
+def test_pieces_check_passes():
+    """``gdn check``'s pieces case at its interpreter size (forced piece size): pieces equal the one-piece call."""
+    from gdn.checks.chunk import chunk_pieces
+
+    results = chunk_pieces(torch.device("cpu"))
+    assert len(results) == 4
+    bad = [(r.case, r.rel_err, r.tol) for r in results if not r.passed]
+    assert not bad, bad
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # autograd plumbing (the backward kernels live in gdn.kernels.chunk.backward)
 # ----------------------------------------------------------------------------------------------------------------------

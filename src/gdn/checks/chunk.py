@@ -218,6 +218,33 @@ def chunk_sm90_target_shapes(device):
 
 
 @register
+def chunk_pieces(device):
+    """An inference forward in pieces (chunk_fwd.piece_token_heads: spans of one sequence carrying the state, groups
+    of a batch's sequences) against the same call in one piece: one sequence and a batch, with an initial state, both
+    layouts. On the GPU at sizes the default splits (1 x 32768 and 2 x 16384, 16/32 heads); elsewhere small, with
+    the piece size forced. The per-chunk arithmetic is the same, so the results are equal to rounding (tol 1e-6)."""
+    from ..kernels.tuning import override
+
+    cuda = device.type == "cuda"
+    H, HV, K, V = (16, 32, 128, 128) if cuda else (1, 2, 32, 16)
+    forced = {} if cuda else dict(piece_token_heads=200, piece_max=3)
+    out = []
+    for B, T, layout in ((1, 32768, "v_last"), (2, 16384, "k_last")) if cuda else ((1, 5 * 64 + 3, "v_last"),
+                                                                                  (3, 70, "k_last")):
+        x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, device=device)
+        h0 = torch.randn((B, HV, K, V) if layout == "v_last" else (B, HV, V, K), device=device) * 0.5
+        res = []
+        for fields in (dict(piece_token_heads=0), forced):
+            with override("chunk_fwd", **fields), torch.no_grad():
+                res.append(chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
+                                                  use_qk_l2norm_in_kernel=True, state_layout=layout))
+        name = f"pieces {B}x{T} {layout}"
+        out += [Result("chunk", name + " o vs one piece", rel_err(res[1][0], res[0][0]), 1e-6),
+                Result("chunk", name + " final state vs one piece", rel_err(res[1][1], res[0][1]), 1e-6)]
+    return out
+
+
+@register
 def chunk_prepare_elementwise(device):
     """The prepare kernel's per-chunk outputs element by element (max error over max value) against float64, in every
     mode the library launches it (the forward's Ainv in the tensor-core dtype, with and without the output matrix P /
