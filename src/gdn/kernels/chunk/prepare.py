@@ -158,19 +158,18 @@ def _chunk_prepare_kernel(
             rk = tl.rsqrt(ss + 1e-6)
         else:
             rk = tl.full([64], 1.0, tl.float32)
+        # Gamma_ij = exp(c_i - c_j) on and below the diagonal (exponents <= 0), shared by P and A
+        causal = to[:, None] >= to[None, :]
+        gamma = tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0))
         if STORE_P:
             if USE_L2:
                 rq = tl.rsqrt(ss_q + 1e-6) * scale
             else:
                 rq = tl.full([64], 1.0, tl.float32) * scale
-            causal = to[:, None] >= to[None, :]
-            att = tl.where(causal, acc_q * rq[:, None] * rk[None, :] *
-                           tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+            att = tl.where(causal, acc_q * rq[:, None] * rk[None, :] * gamma, 0.0)
             tl.store(p_out + trow[:, None] * 64 + to[None, :], _rn(att, p_out.dtype.element_ty), mask=m[:, None])
             tl.store(qf_out + trow, rq * tl.exp(b_g), mask=m)
-        low = to[:, None] > to[None, :]
-        A = tl.where(low, acc * (b_beta * rk)[:, None] * rk[None, :] *
-                     tl.exp(tl.where(low, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+        A = tl.where(to[:, None] > to[None, :], acc * (b_beta * rk)[:, None] * rk[None, :] * gamma, 0.0)
         b_ai = _unit_lower_inverse64(A, SOLVE_PREC, SOLVE_BLK)
         if STORE_A:
             tl.store(a_ptr, _rn(b_ai, ainv.dtype.element_ty), mask=m[:, None])
