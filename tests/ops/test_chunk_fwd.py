@@ -294,8 +294,9 @@ def test_forced_segments(seg):
 
 
 def test_one_wave_segments_for_the_fused_final_pass(monkeypatch):
-    """Segments re-planned for a fused final pass: the fewest power-of-two segments (no shorter than the planner's)
-    whose grid V / tile x HV x segments fits one CTA per SM, at V tile 32 first; none where no split fits."""
+    """Segments re-planned for a fused final pass: the shortest power-of-two segments (no shorter than the
+    planner's) whose grid V / tile x HV x segments fits one CTA per SM, at V tile 32 first; none where no split
+    fits."""
     from gdn.kernels.chunk import state
     from gdn.kernels.chunk.plan import plan_segments, prepare_chunk_indices
 

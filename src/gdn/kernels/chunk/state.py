@@ -300,8 +300,8 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg):
 
 def _one_wave_segments(ci: ChunkIndex, HV: int, V: int, dev, plan):
     """(V tile, segment plan) for a fused final pass over segments whose grid (V / tile x HV x segments) fits one wave
-    of CTAs, one per SM: the longest segments (fewest, power-of-two chunk counts, no shorter than the planner's) that
-    split the work over the most SMs, at V tile 32, else 64; (0, plan) where neither splits a sequence in two."""
+    of CTAs, one per SM: the shortest segments (power-of-two chunk counts, no shorter than the planner's) that fit,
+    i.e. the most SMs the split can use, at V tile 32, else 64; (0, plan) where neither splits a sequence in two."""
     sms = _num_sms(dev)
     for bv in (32, 64):
         if V % bv:
