@@ -279,15 +279,6 @@ def chunk_prepare_elementwise(device):
         if with_p:
             compare(mode + " P", r[4], ref["p"], 1e-2)
             compare(mode + " qf", r[5], ref["qf"], 1e-5)
-    from ..kernels.tuning import override
-
-    with override("chunk_fwd", solve_block=8):      # the 8x8-block solve (tuning field solve_block; pending GPU A/B)
-        r8 = twice("forward, 8x8 solve blocks", lambda: chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True,
-                                                                          store_wu=False, ainv_dtype=torch.bfloat16))
-        r8_32 = twice("fp32 Ainv, 8x8 solve blocks", lambda: chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True,
-                                                                               store_wu=False))
-    compare("forward, 8x8 solve blocks Ainv bf16", r8[1], ref["ainv"], 1e-2)
-    compare("fp32 Ainv, 8x8 solve blocks", r8_32[1], ref["ainv"], 1e-4)
     r32 = twice("fp32 Ainv", lambda: chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False))
     compare("fp32 Ainv", r32[1], ref["ainv"], 1e-4)
     # W = Ainv diag(beta exp(c) r_k) K and U = Ainv diag(beta) V per chunk, from the kernel's own bf16 Ainv
