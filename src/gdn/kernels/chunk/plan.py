@@ -124,6 +124,12 @@ def _num_sms(device) -> int:
     return _SM_COUNT[idx]
 
 
+def segment_count(ci: ChunkIndex, seg_len: int) -> int:
+    """Segments of :func:`plan_segments` with ``seg_len`` chunks each (a sequence of at most one segment, an empty
+    one included, is one)."""
+    return sum(cdiv(nc, seg_len) if nc else 1 for nc in ci.nchunks)
+
+
 def choose_segment_len(ci: ChunkIndex, HV: int, V: int, BV: int, device, force: Optional[int] = None,
                        K: Optional[int] = None, plain_cost: Optional[float] = None) -> Optional[int]:
     """Chunks per segment for the segmented state pass, or None for the plain sequential pass.
@@ -157,7 +163,7 @@ def choose_segment_len(ci: ChunkIndex, HV: int, V: int, BV: int, device, force: 
     best, best_cost = None, None
     L = max(1, int(cfg.segment_min_len))
     while L * 2 <= maxc:
-        S = sum(-(-nc // L) if nc else 1 for nc in ci.nchunks)
+        S = segment_count(ci, L)
         per_seq = -(-maxc // L)
         cost = (waves(S * HV * (nv + nk)) + waves(S * HV * nv)) * L + float(cfg.segment_merge_cost) * per_seq
         if best_cost is None or cost < best_cost:

@@ -19,7 +19,7 @@ from ..common import cdiv, l2_rnorm
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _pow2, _rn,
                      _seq_span, _state_row, _strides3)
 from . import hopper
-from .plan import ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, plan_segments
+from .plan import ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, plan_segments, segment_count
 from .segments import merge_segment_states
 
 
@@ -302,15 +302,15 @@ def _one_wave_segments(ci: ChunkIndex, HV: int, V: int, dev, plan):
     """(V tile, segment plan) for a fused final pass over segments whose grid (V / tile x HV x segments) fits one wave
     of CTAs, one per SM: the shortest segments (power-of-two chunk counts, no shorter than the planner's) that fit,
     i.e. the most SMs the split can use, at V tile 32, else 64; (0, plan) where neither splits a sequence in two."""
-    sms = _num_sms(dev)
+    sms, longest = _num_sms(dev), max(ci.nchunks)
     for bv in (32, 64):
         if V % bv:
             continue
         room = sms // (HV * (V // bv))
         L = max(1, plan.seg_len)
-        while L < max(ci.nchunks) and sum(-(-nc // L) if nc else 1 for nc in ci.nchunks) > room:
+        while L < longest and segment_count(ci, L) > room:
             L *= 2
-        if L < max(ci.nchunks):
+        if L < longest:
             return bv, plan_segments(ci, L, dev)
     return 0, plan
 
