@@ -7,9 +7,8 @@ The ops run on CPU tensors with Triton's real JIT (never the interpreter: this m
 warm-up (``JITFunction.run(..., warmup=True)``: the JIT's own specialisation of the arguments, the launcher's
 num_warps / num_stages / maxnreg; nothing runs, outputs stay unwritten). The launchers' GPU-only choices (conv and
 norm tiles, SM counts) see an H200 (:data:`_GPU_CHOICES`); segmented state passes are forced by their environment
-switches in a second scenario (with the 8x8-block solve). Scenarios: :func:`_scenarios` (production head sizes
-K = V = 128 with GVA, both state layouts and dtypes, pools, varlen, the decode and recurrent configurations of every
-batch-size regime, fwd + bwd).
+switches in a second scenario. Scenarios: :func:`_scenarios` (production head sizes K = V = 128 with GVA, both state
+layouts and dtypes, pools, varlen, the decode and recurrent configurations of every batch-size regime, fwd + bwd).
 Identical signatures compile once (the JIT's cache; ``TRITON_CACHE_DIR`` keeps them across runs).
 """
 from __future__ import annotations
@@ -20,7 +19,7 @@ import sys
 import time
 import types
 
-_ENV_SCENARIOS = [{}, {"GDN_TUNE": "chunk_fwd.segment_chunks=2,chunk_bwd.segment_chunks=8,chunk_fwd.solve_block=8"}]
+_ENV_SCENARIOS = [{}, {"GDN_TUNE": "chunk_fwd.segment_chunks=2,chunk_bwd.segment_chunks=8"}]
 _FAKE_SMS = 132
 # (module, function) of the launchers' device-dependent choices: called with a CUDA-like device here
 _GPU_CHOICES = [("gdn.kernels.conv", "_block_d"), ("gdn.kernels.conv", "_block_t"), ("gdn.kernels.conv", "_num_sms"),

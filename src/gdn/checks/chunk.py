@@ -279,16 +279,6 @@ def chunk_prepare_elementwise(device):
         if with_p:
             compare(mode + " P", r[4], ref["p"], 1e-2)
             compare(mode + " qf", r[5], ref["qf"], 1e-5)
-    from ..kernels.tuning import override
-
-    for blk in (8, 4):      # the solve on smaller diagonal blocks, merged pairwise (tuning field solve_block)
-        with override("chunk_fwd", solve_block=blk):
-            rb = twice(f"forward, {blk}x{blk} solve blocks", lambda: chunk_fwd_prepare(
-                x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False, ainv_dtype=torch.bfloat16))
-            rb32 = twice(f"fp32 Ainv, {blk}x{blk} solve blocks", lambda: chunk_fwd_prepare(
-                x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False))
-        compare(f"forward, {blk}x{blk} solve blocks Ainv bf16", rb[1], ref["ainv"], 1e-2)
-        compare(f"fp32 Ainv, {blk}x{blk} solve blocks", rb32[1], ref["ainv"], 1e-4)
     r32 = twice("fp32 Ainv", lambda: chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False))
     compare("fp32 Ainv", r32[1], ref["ainv"], 1e-4)
     # W = Ainv diag(beta exp(c) r_k) K and U = Ainv diag(beta) V per chunk, from the kernel's own bf16 Ainv

@@ -33,10 +33,6 @@ class ChunkForward:
     # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half
     # inputs, else tf32x3; or "ieee", "tf32x3", "tf32", "bf16")
     solve_precision: str = "auto"
-    # diagonal blocks of the triangular solve: 16 (15 substitution steps, merged by four 64x64 products), or 8 / 4
-    # (7 / 3 steps, merged pairwise by the 2 x 2 block formula: 6 / 8 products). The prepare kernel is issue-bound on
-    # sm_90 and the substitution steps are half its instructions. Pending GPU A/B (bench/sweeps.json prep-solve*)
-    solve_block: int = 16
     # precision of dots whose operands are fp32 (fp32 inputs / fp32 intermediates)
     fp32_dot_precision: str = "tf32x3"
     # sequential state pass: V tile of the state (0 = automatic: 64 for K <= 128, else 32); state_stages 3 is pending
@@ -270,8 +266,6 @@ def _check(family: str, row, source: str):
                              f"(got BV={bv}, warps={warps}, stages={stages}, tiles={tiles})")
     elif family == "chunk_fwd" and row.output_heads < 0:
         raise ValueError(f"{source}: chunk_fwd.output_heads must be >= 0 (0 = all), got {row.output_heads}")
-    elif family == "chunk_fwd" and row.solve_block not in (4, 8, 16):
-        raise ValueError(f"{source}: chunk_fwd.solve_block must be 4, 8 or 16, got {row.solve_block}")
 
 
 def lookup(family: str, device=None, shape_class: str = ""):

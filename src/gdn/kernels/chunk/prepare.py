@@ -45,48 +45,33 @@ def _dotp(a, b, PREC: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse64(A, PREC: tl.constexpr, BLK: tl.constexpr = 16):
+def _unit_lower_inverse64(A, PREC: tl.constexpr):
     """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A.
 
-    The 64 / BLK diagonal BLK x BLK blocks D_b are inverted by forward substitution, all at once on a
-    [64 / BLK, BLK, BLK] stack (BLK - 1 sequential row steps). The stack is cut from A's rows, so each warp of the
-    product's layout holds whole blocks (no replicated work, no cross-warp traffic in the loop), and the inverses are
-    kept transposed (``YT[b, j, k] = Y_b[k, j]``) so the row taken out of D in each step already lies along the axis
-    it is multiplied over. Merging, with Dinv the block-diagonal inverse:
-
-    * BLK 16: L the blocks below the diagonal, I + A = D (I + M) with M = Dinv L strictly block-lower (M^4 = 0), so
-      (I + A)^-1 = (I - M + M^2 - M^3) Dinv: four 64x64 products;
-    * BLK 8 or 4: pairs of blocks by the 2 x 2 block formula, level by level (BLK -> 2 BLK -> ... -> 64):
-      X <- X - X L_s X with L_s the block of A below each pair's diagonal, i.e. inv([[A11, 0], [A21, A22]]) =
-      [[X1, 0], [-X2 A21 X1, X2]]; two products per level and no powers of M (as accurate as BLK 16 at tf32 in a
-      CPU simulation of tf32 operands: bench/NOTES.md), for fewer substitution steps."""
-    NB: tl.constexpr = 64 // BLK
-    rb = tl.arange(0, BLK)
-    rn = tl.arange(0, NB)
-    same_block = rn[:, None, None, None] == rn[None, None, :, None]
-    # A4[b, i, c, k] = A[BLK b + i, BLK c + k]; the diagonal blocks are c == b
-    D = tl.sum(tl.where(same_block, tl.reshape(A, (NB, BLK, NB, BLK)), 0.0), axis=2)   # [b, i, k] = D_b[i, k]
-    YT = tl.zeros([NB, BLK, BLK], tl.float32) + tl.where(rb[:, None] == rb[None, :], 1.0, 0.0)[None, :, :]
-    for i in range(1, BLK):
-        a_i = tl.sum(tl.where(rb[None, :, None] == i, D, 0.0), axis=1)              # [b, k] = D_b[i, k]
+    The four 16x16 diagonal blocks D_b are inverted by forward substitution, all four at once on a [4, 16, 16] stack
+    (15 sequential row steps). The stack is cut from A's rows, so each warp of the product's layout holds its own
+    block (no replicated work, no cross-warp traffic in the loop), and the inverses are kept transposed
+    (``YT[b, j, k] = Y_b[k, j]``) so the row taken out of D in each step already lies along the axis it is multiplied
+    over. With Dinv the block-diagonal inverse and L the blocks below the diagonal, I + A = D (I + M) with
+    M = Dinv L strictly block-lower (M^4 = 0), so (I + A)^-1 = (I - M + M^2 - M^3) Dinv: four 64x64 products."""
+    r16 = tl.arange(0, 16)
+    r4 = tl.arange(0, 4)
+    same_block = r4[:, None, None, None] == r4[None, None, :, None]
+    # A4[b, i, c, k] = A[16 b + i, 16 c + k]; the diagonal blocks are c == b
+    D = tl.sum(tl.where(same_block, tl.reshape(A, (4, 16, 4, 16)), 0.0), axis=2)     # [b, i, k] = D_b[i, k]
+    YT = tl.zeros([4, 16, 16], tl.float32) + tl.where(r16[:, None] == r16[None, :], 1.0, 0.0)[None, :, :]
+    for i in range(1, 16):
+        a_i = tl.sum(tl.where(r16[None, :, None] == i, D, 0.0), axis=1)             # [b, k] = D_b[i, k]
         y_i = tl.sum(a_i[:, None, :] * YT, axis=2)                                   # [b, j] = (D_b Y_b)[i, j]
-        YT = tl.where(rb[None, None, :] == i, tl.where(rb == i, 1.0, 0.0)[None, :, None] - y_i[:, :, None], YT)
-    # Dinv[BLK b + k, BLK c + j] = (b == c) Y_b[k, j]
+        YT = tl.where(r16[None, None, :] == i, tl.where(r16 == i, 1.0, 0.0)[None, :, None] - y_i[:, :, None], YT)
+    # Dinv[16 b + k, 16 c + j] = (b == c) Y_b[k, j]
     Dinv = tl.reshape(tl.where(same_block, tl.permute(YT, (0, 2, 1))[:, :, None, :], 0.0), (64, 64))
     r64 = tl.arange(0, 64)
-    if BLK == 16:
-        L = tl.where((r64[:, None] // 16) > (r64[None, :] // 16), A, 0.0)
-        M = _dotp(Dinv, L, PREC)
-        M2 = _dotp(M, M, PREC)
-        X = tl.where(r64[:, None] == r64[None, :], 1.0, 0.0) - M + M2 - _dotp(M, M2, PREC)
-        X = _dotp(X, Dinv, PREC)
-    else:
-        X = Dinv
-        for lvl in tl.static_range(6 - (BLK.bit_length() - 1)):
-            rs = r64[:, None] // (BLK << lvl)
-            cs = r64[None, :] // (BLK << lvl)
-            X = X - _dotp(_dotp(X, tl.where((rs == cs + 1) & (rs % 2 == 1), A, 0.0), PREC), X, PREC)
-    return X
+    L = tl.where((r64[:, None] // 16) > (r64[None, :] // 16), A, 0.0)
+    M = _dotp(Dinv, L, PREC)
+    M2 = _dotp(M, M, PREC)
+    X = tl.where(r64[:, None] == r64[None, :], 1.0, 0.0) - M + M2 - _dotp(M, M2, PREC)
+    return _dotp(X, Dinv, PREC)
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -97,7 +82,6 @@ def _chunk_prepare_kernel(
     USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, G_IS_CUM: tl.constexpr, STORE_G: tl.constexpr,
     STORE_A: tl.constexpr, LOAD_A: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
     STORE_RK: tl.constexpr, STORE_P: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    SOLVE_BLK: tl.constexpr = 16,
 ):
     """One program per (chunk, value head): g_cum (chunk-local cumsum), A = strictLower(diag(beta r_k) (Gamma * K K^T)
     diag(r_k)) with r_k the L2 row scalings, Ainv = (I + A)^-1 (stored as [64, 64] rows of the [B, T, HV, 64] buffer),
@@ -178,7 +162,7 @@ def _chunk_prepare_kernel(
             tl.store(p_out + trow[:, None] * 64 + to[None, :], _rn(att, p_out.dtype.element_ty), mask=m[:, None])
             tl.store(qf_out + trow, rq * tl.exp(b_g), mask=m)
         A = tl.where(to[:, None] > to[None, :], acc * (b_beta * rk)[:, None] * rk[None, :] * gamma, 0.0)
-        b_ai = _unit_lower_inverse64(A, SOLVE_PREC, SOLVE_BLK)
+        b_ai = _unit_lower_inverse64(A, SOLVE_PREC)
         if STORE_A:
             tl.store(a_ptr, _rn(b_ai, ainv.dtype.element_ty), mask=m[:, None])
     if STORE_RK:
@@ -265,7 +249,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
         G_IS_CUM=bool(g_is_cumsum), STORE_G=store_g, STORE_A=store_ainv, LOAD_A=False, STORE_W=store_wu,
         STORE_U=store_wu, STORE_RK=store_rk, STORE_P=q is not None, DT=_TL[dt], PREC=cfg.fp32_dot_precision,
-        SOLVE_PREC=_solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype), SOLVE_BLK=int(cfg.solve_block),
+        SOLVE_PREC=_solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype),
         num_warps=int(cfg.prepare_warps),
         # never software-pipelined: with the K loop pipelined 2 stages deep, Triton 3.6 on the H200 gave wrong,
         # run-to-run different Ainv (~0.02% of the elements off by up to 0.13) and P (bench/NOTES.md)
