@@ -349,6 +349,39 @@ def compile_hopper_fused_pass(BV=32, NS=2, dtype=None, **flags):
     return compile_gluon(m._chunk_fused_sm90_kernel, args, cx)
 
 
+def compile_hopper_dh_pass(BV=32, NS=2, dtype=None, **flags):
+    """The Hopper reverse pass of the backward (gdn.kernels.chunk.backward.hopper) for one configuration."""
+    import torch
+    from .kernels.chunk import hopper as m
+    from .kernels.chunk.backward import hopper as mb
+
+    dt = dtype or torch.bfloat16
+    B, T, H, HV, K, V = 1, 256, 2, 4, 128, 128
+    VC = K if flags.get("INIT") == 3 else V
+    q = torch.empty(B, T, H, K, dtype=dt)
+    w = torch.empty(B, T, HV, K, dtype=dt)
+    do = torch.empty(B, T, HV, V, dtype=dt)
+    gs = torch.empty(8, HV, K, V, dtype=dt)
+    dn = m._GL_DT[dt]
+    f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
+    args = dict(k_desc=m._desc(m._rows2d(q), (64, K), dn), w_desc=m._desc(w.view(B * T, -1), (64, K), dn),
+                q_desc=m._desc(m._rows2d(q), (64, K), dn), do_desc=m._desc(m._rows2d(do), (64, BV), dn),
+                dl_desc=m._desc(m._rows2d(do), (64, BV), dn), gs_desc=m._desc(gs.view(-1, V), (K, BV), dn),
+                gcum=f32, rq_in=f32, rk_in=f32, dvn=torch.empty(4, dtype=dt), x0=f32, xend=f32, segments=i32,
+                cu_seqlens=i32, chunk_offsets=i32, scale=0.5, T=T)
+    cx = dict(H=H, HV=HV, K=K, V=VC, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, HAS_R=True, STORE_STEPS=True,
+              STORE_END=True, END_BY_SEG=False, NS=NS, num_warps=4)
+    cx.update(flags)
+    return compile_gluon(mb._dh_pass_sm90_kernel, args, cx)
+
+
+DH_CONFIGS = [dict(BV=bv, **f) for bv in (32, 64)
+              for f in (dict(INIT=1), dict(INIT=0, IS_VARLEN=False, USE_L2=False, STORE_END=False),
+                        dict(INIT=0, STORE_STEPS=False, END_BY_SEG=True),
+                        dict(INIT=3, HAS_R=False, STORE_STEPS=False, END_BY_SEG=True),
+                        dict(INIT=2, STORE_END=False))]
+
+
 HOPPER_CONFIGS = [dict(BV=bv, from_ainv=fa, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=idx, HT_INDEXED=idx,
                        STORE_FINAL=not seg)
                   for bv in (32, 64) for fa in (True, False)
@@ -371,6 +404,7 @@ def _compile_hopper() -> int:
     bad = 0
     builds = [("state pass", compile_hopper_state_pass, c) for c in HOPPER_CONFIGS]
     builds += [("fused pass", compile_hopper_fused_pass, c) for c in FUSED_CONFIGS]
+    builds += [("reverse pass", compile_hopper_dh_pass, c) for c in DH_CONFIGS]
     for name, build, cfg in builds:
         try:
             build(**cfg)
@@ -380,8 +414,9 @@ def _compile_hopper() -> int:
             while cause.__cause__ is not None or cause.__context__ is not None:
                 cause = cause.__cause__ or cause.__context__
             print(f"  FAIL hopper {name} {cfg}: {type(cause).__name__}: {cause}", flush=True)
-    total = len(HOPPER_CONFIGS) + len(FUSED_CONFIGS)
-    print(f"gdn.aot: hopper: {total - bad} of {total} state-pass and fused configurations compile", flush=True)
+    total = len(builds)
+    print(f"gdn.aot: hopper: {total - bad} of {total} state-pass, fused and reverse-pass configurations compile",
+          flush=True)
     return 1 if bad else 0
 
 def main(argv=None) -> int:

@@ -378,3 +378,38 @@ def test_public_op_autograd(monkeypatch, layout, save_states):
                                          use_qk_l2norm_in_kernel=True, state_layout=layout)
     torch.autograd.backward([ro, rht], [do.double(), dht.double()])
     _compare([t.grad for t in leaves], [t.grad for t in refs], TOL32)
+
+
+def test_reverse_pass_plan_sm90(monkeypatch):
+    """The reverse pass's plan on an (emulated) sm_90 device with 132 SMs: the Gluon pass unsegmented where its
+    grid fits one wave and fills half the SMs or the sequences are short (then the backward skips its side stream);
+    the portable segmented plan for few heads over long sequences; forced segments and the switch respected."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import plan as plan_mod
+    from gdn.kernels.chunk.backward import reverse
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    dev = torch.device("cuda", 0)
+    monkeypatch.setitem(tuning._CAPS, 0, "sm_90")
+    monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
+    monkeypatch.setattr(reverse, "_num_sms", lambda d: 132)
+    monkeypatch.setattr(reverse.hopper, "supported", lambda *a: True)
+    x = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
+
+    def plan(N, L, HV, **kw):
+        ci = prepare_chunk_indices(None, L, 64, N, device=torch.device("cpu"))
+        seg, tile = reverse.reverse_plan(x, x, x, x, torch.bfloat16, ci, HV, 128, 128, dev, **kw)
+        return seg, tile(ci.N * HV if seg is None else plan_mod.segment_count(ci, seg) * HV, 128), \
+            reverse.runs_sm90(x, x, x, x, torch.bfloat16, ci, HV, 128, 128, dev, **kw)
+
+    assert plan(1, 32768, 32) == (None, 32, True)          # 128 CTAs at V tile 32
+    assert plan(1, 8192, 8) == (None, 32, True)            # 32 CTAs, 128 chunks: short enough
+    seg, bv, sm90 = plan(1, 65536, 8)                       # 32 CTAs over 1024 chunks: portable segments
+    assert seg is not None and not sm90
+    assert plan(4, 4096, 32) == (None, 0, False)           # 512 / 256 CTAs: portable, unsegmented
+    assert plan(1, 8192, 32, segment_chunks=8)[0] == 8 and not plan(1, 8192, 32, segment_chunks=8)[2]
+    with tuning.override("chunk_bwd", dh_sm90=False):
+        seg, bv, sm90 = plan(1, 32768, 32)
+        assert seg is not None and bv == 0 and not sm90
+    with tuning.override("chunk_bwd", dh_sm90_plain_chunks=2048):
+        assert plan(1, 65536, 8) == (None, 32, True)

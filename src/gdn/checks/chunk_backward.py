@@ -119,3 +119,127 @@ def chunk_backward_public_op(device):
         ref = _ref_grads(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, h0, None, True, do, dht, layout=layout)
         out += _results(f"op {layout} bf16", [t.grad for t in leaves], ref, _TOL[torch.bfloat16])
     return out
+
+
+def _sm90_reverse_available(device) -> bool:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return False
+    from ..kernels import _gluon_api
+
+    return _gluon_api.AVAILABLE
+
+
+def _counting_sm90_launches():
+    """A context that counts launches of the sm_90 reverse pass (``hopper.launch_dh_pass``)."""
+    import contextlib
+
+    from ..kernels.chunk.backward import hopper
+
+    @contextlib.contextmanager
+    def ctx():
+        calls = [0]
+        real = hopper.launch_dh_pass
+
+        def counted(*a, **kw):
+            calls[0] += 1
+            return real(*a, **kw)
+        hopper.launch_dh_pass = counted
+        try:
+            yield calls
+        finally:
+            hopper.launch_dh_pass = real
+    return ctx()
+
+
+@register
+def chunk_backward_reverse_sm90(device):
+    """Hopper only: the Gluon reverse pass (gdn.kernels.chunk.backward.hopper) against the portable kernel on the same
+    inputs: gs (gradient of every chunk's end state), dvn and dh0 of ``chunk_bwd_dh``; a ragged varlen batch with an
+    end-state gradient and the L2 norm, a batch without either, and forced segments (the local, transition and final
+    passes: INIT 0 / 3 / 2); GVA (HV = 2 H). Also that the Gluon kernel did run in every case."""
+    if not _sm90_reverse_available(device):
+        return []
+    from ..kernels.chunk.backward.reverse import chunk_bwd_dh
+    from ..kernels.chunk.prepare import chunk_fwd_prepare
+    from ..kernels.tuning import override
+
+    s = _shapes(device)
+    H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
+    out = []
+    for name, varlen, l2, with_dht, seg in (("varlen dht l2", True, True, True, -1),
+                                            ("batch", False, False, False, -1),
+                                            ("varlen segments", True, True, True, 2)):
+        if varlen:
+            cu = torch.tensor([0] + torch.tensor(s["lens"] + [64]).cumsum(0).tolist(), dtype=torch.int32,
+                              device=device)
+            B, T, N = 1, int(cu[-1]), len(s["lens"]) + 1
+        else:
+            cu, B, T, N = None, s["B"], s["T"], s["B"]
+        # gates near 1 (g ~ -1e-3): the end-state gradient is carried across every chunk (with the default gates a
+        # chunk decays it by ~e^-30, below fp32 resolution, and a wrong carry would go unseen)
+        x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, device=device, g_range=(-0.002, -0.0005))
+        g_cum, _, w, _ = chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, l2, store_ainv=True, store_wu=True,
+                                           ainv_dtype=torch.bfloat16)
+        do = torch.randn(B, T, HV, V, device=device).to(torch.bfloat16)
+        dht = torch.randn(N, HV, K, V, device=device) if with_dht else None
+        res = []
+        for sm90 in (False, True):
+            with override("chunk_bwd", dh_sm90=sm90, segment_chunks=seg), _counting_sm90_launches() as calls:
+                res.append(chunk_bwd_dh(x.q, x.k, w, g_cum, do, dht, K ** -0.5, cu, 64, l2, True))
+            ran = calls[0] >= (3 if seg > 0 else 1) if sm90 else calls[0] == 0
+            out.append(Result("chunk_backward", f"sm90 reverse {name}: Gluon {'ran' if sm90 else 'off'}",
+                              0.0 if ran else float("inf"), 0.0))
+        for label, a, b in zip(("gs", "dvn", "dh0"), res[1], res[0]):
+            out.append(Result("chunk_backward", f"sm90 reverse vs portable {name} {label}", rel_err(a, b), 5e-3))
+    return out
+
+
+@register
+def chunk_backward_target_shapes(device):
+    """Hopper only: the backward at the training target shapes (bf16, K = V = 128, L2 norm, varlen B = 1) on the
+    default path against the portable reverse pass (``chunk_gated_delta_rule_bwd``, every gradient, random dO over
+    the whole sequence; the portable pass segments these long sequences, the sm_90 one does not), and autograd
+    through the public op against float64 on a prefix of every sequence with dO zero after it (then the prefix's
+    gradients are those of the prefix alone)."""
+    if not _sm90_reverse_available(device):
+        return []
+    from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
+    from ..kernels.tuning import override
+    from ..ops import chunk_gated_delta_rule
+
+    out = []
+    prefix = 192
+    scale = 128 ** -0.5
+    for N, L, H, HV in ((1, 8192, 16, 32), (1, 32768, 16, 32), (4, 4096, 16, 32), (1, 65536, 2, 8)):
+        T = N * L
+        # gates near 1 (g in [-0.02, -0.001]): gradients carried over hundreds of chunks, so the unsegmented sm_90
+        # pass and the segmented portable one differ by rounding, not by nothing
+        x = make_inputs(1, T, H, HV, 128, 128, dtype=torch.bfloat16, device=device, g_range=(-0.02, -0.001))
+        cu = torch.arange(0, T + 1, L, device=device, dtype=torch.int32)
+        do = torch.randn(1, T, HV, 128, device=device).to(torch.bfloat16)
+        tag = f"{N}x{L} {H}/{HV}"
+        res = []
+        for sm90 in (True, False):
+            with override("chunk_bwd", dh_sm90=sm90), _counting_sm90_launches() as calls:
+                res.append(chunk_gated_delta_rule_bwd(x.q, x.k, x.v, x.g, x.beta, scale, None, cu, 64, True, do,
+                                                      None)[:5])
+            out.append(Result("chunk_backward", f"target {tag}: sm90 reverse pass launches {calls[0]}", 0.0, 0.0))
+        out += [Result("chunk_backward", f"target {tag} {n} vs portable reverse", rel_err(a, b), 1e-2)
+                for n, a, b in zip(_NAMES, res[0], res[1])]
+
+        keep = torch.zeros(T, dtype=torch.bool, device=device)
+        for n in range(N):
+            keep[n * L:n * L + prefix] = True
+        leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta)]
+        o, _ = chunk_gated_delta_rule(*leaves, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=cu.cpu())
+        o.backward(torch.where(keep[None, :, None, None], do, 0))
+        errs = {n: 0.0 for n in _NAMES[:5]}
+        for n in range(N):
+            sl = slice(n * L, n * L + prefix)
+            ref = _ref_grads(x.q[:, sl], x.k[:, sl], x.v[:, sl], x.g[:, sl], x.beta[:, sl], scale, None, None,
+                             True, do[:, sl], None)
+            for name, a, r in zip(_NAMES, leaves, ref):
+                errs[name] = max(errs[name], rel_err(a.grad[:, sl], r))
+        out += [Result("chunk_backward", f"target {tag} {n}[:{prefix}] per sequence vs float64", e,
+                       _TOL[torch.bfloat16]) for n, e in errs.items()]
+    return out

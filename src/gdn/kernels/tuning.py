@@ -127,6 +127,14 @@ class ChunkBackward:
     merge_dot: str = "tf32x3"
     # recompute the forward states on a side CUDA stream, concurrently with the reverse pass
     concurrent: bool = True
+    # sm_90: the reverse pass as the Gluon kernel of gdn.kernels.chunk.backward.hopper (TMA ring of dh_sm90_stages
+    # chunks, asynchronous wgmma) where it supports the launch and its grid fits one wave at V tile 32 or 64; an
+    # unsegmented plan then replaces the segmented one where the grid fills half the SMs or the longest sequence has
+    # at most dh_sm90_plain_chunks chunks (bench/NOTES.md, "Hopper reverse pass"); the side stream (concurrent) is
+    # not used then
+    dh_sm90: bool = True
+    dh_sm90_stages: int = 2
+    dh_sm90_plain_chunks: int = 512
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ Backward, derived by hand and checked piece by piece against float64 autograd
        dH   = e^cL Gm + (diag(e^c) Q)^T dO - W^T dVn              (Gm of the previous chunk)
 
    It stores ``Gm`` of every chunk and ``dVn``; the final ``dH`` is ``dh0``. It needs no forward state, so on
-   CUDA it runs on a side stream concurrently with the recomputation of the forward states H.
+   CUDA it runs on a side stream concurrently with the recomputation of the forward states H (not where the
+   sm_90 form runs: that and the sm_90 state pass take an SM per CTA, so they cannot share the machine).
 
 2. Per chunk, fully parallel (``chunk_bwd_main_kernel``), with P-terms written without any transposed
    register tensor::
@@ -50,12 +51,14 @@ Backward, derived by hand and checked piece by piece against float64 autograd
    norm, ``dx = r (dy - y (y.dy))`` (``y = x r``, ``r = rsqrt(|x|^2 + 1e-6)``).
 
 Kernels, after the forward kept Ainv, the gate cumsum and the L2 scalings (only W / U are recomputed, then the
-forward states H and v_new on a side stream, concurrently with 1-2). Files: ``dv_local.py`` (1), ``reverse.py`` (2),
-``parts.py`` (3-5), ``common.py``; tuning: the ``chunk_bwd`` table of :mod:`gdn.kernels.tuning`.
+forward states H and v_new on a side stream, concurrently with 1-2). Files: ``dv_local.py`` (1), ``reverse.py``
+and ``hopper.py`` (2), ``parts.py`` (3-5), ``common.py``; tuning: the ``chunk_bwd`` table of :mod:`gdn.kernels.tuning`.
 
 1. ``chunk_bwd_dv_local_kernel`` (parallel, chunk x value head): ``dv_local = (K Q^T * Gam^T) dO`` into ``dvn``.
 2. ``chunk_bwd_dh_kernel`` (sequential in chunks; sequences x value heads x V blocks, long sequences in segments
    with ``chunk_bwd_dh_merge_kernel``): adds the state term to ``dvn`` and stores ``Gm`` per chunk.
+   On sm_90 the Gluon form of the same pass (``hopper.py``: TMA ring, asynchronous wgmma) where its grid fits
+   one wave of CTAs (``reverse.reverse_plan``).
 3. ``chunk_bwd_out_kernel`` (parallel, chunk x value head x side): side 0 dQ per value head, side 1 dK per value
    head (state, attention and WY-through-H terms on one accumulator); both over V tiles.
 4. ``chunk_bwd_wy_kernel`` (parallel, chunk x value head): dv, dbeta, dg and the remaining dK terms, over V tiles.
@@ -85,7 +88,7 @@ from ..plan import prepare_chunk_indices
 from ..prepare import chunk_fwd_prepare, recompute_w_u
 from ..state import chunk_state_pass
 from .parts import chunk_bwd_main
-from .reverse import chunk_bwd_dh
+from .reverse import chunk_bwd_dh, runs_sm90
 
 
 _SIDE_STREAMS = {}
@@ -138,7 +141,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
                                 chunk_index=ci, rk=rk, buffers=buffers)[:2]
 
     concurrent = need_h and dev.type == "cuda" and tuning.chunk_bwd(dev).concurrent \
-        and not torch.cuda.is_current_stream_capturing()
+        and not torch.cuda.is_current_stream_capturing() \
+        and not runs_sm90(q, k, do, w, h_dtype, ci, v.shape[2], K, v.shape[3], dev, segment_chunks)
     if concurrent:
         cur = torch.cuda.current_stream(dev)
         side = _side_stream(dev)

@@ -19,9 +19,10 @@ import triton.language as tl
 
 from ...common import cdiv, l2_rnorm, next_pow2
 from ... import tuning
-from ..plan import choose_reverse_segment_len, plan_segments, prepare_chunk_indices
+from ..plan import _num_sms, choose_reverse_segment_len, plan_segments, prepare_chunk_indices
 from .common import _acc_dtype, _dot_precision, _mm_dtype, _strides
 from .dv_local import dv_local
+from . import hopper
 from ...launch import launch
 
 
@@ -217,27 +218,36 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     args = (cu_seqlens, float(scale), T, *_strides(q), *_strides(k), *_strides(do))
     dv_local(q, k, g_cum, do, rq, rk, dvn, ci, cu_seqlens, args[1], T, args[3:], meta)
     BV, nw, ns = _dh_config(V, dev)
-    seg = choose_reverse_segment_len(ci, HV, cdiv(V, BV), dev, segment_chunks)
+    seg, sm90 = reverse_plan(q, k, do, w, sdt, ci, HV, K, V, dev, segment_chunks)
     plan = plan_segments(ci, seg, dev)
     S, segments, seg_offsets = plan.S, plan.segments, plan.seg_offsets
     common = dict(meta, num_warps=nw, num_stages=ns)
+    stages9 = int(tuning.chunk_bwd(dev).dh_sm90_stages)
+
+    def rev_pass(x0, xend, VC, **flags):
+        """One launch of the reverse pass over the S segments (flags as ``chunk_bwd_dh_kernel``'s): the sm_90 pass
+        where its grid fits one wave, else the portable kernel."""
+        bv9 = sm90(S * HV, VC)
+        if bv9:
+            hopper.launch_dh_pass((VC // bv9, HV, S), q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments,
+                                  ci.chunk_offsets, cu_seqlens, scale, T, H=H, HV=HV, K=K, V=VC, BV=bv9, use_l2=l2,
+                                  stages=stages9, **flags)
+            return
+        bv = BV if VC == V else min(BV, BK)
+        launch(chunk_bwd_dh_kernel, (cdiv(VC, bv), HV, S),
+               q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments, ci.chunk_offsets, *args,
+               VC=VC, BV=bv, **flags, **common)
+
     if seg is None:
-        launch(chunk_bwd_dh_kernel, (cdiv(V, BV), HV, S),
-            q, k, w, g_cum, do, rq, rk, dht, dh0, gs, dvn, segments, ci.chunk_offsets, *args,
-            VC=V, BV=BV, INIT=1 if dht is not None else 0, HAS_R=True, STORE_STEPS=True, STORE_END=need_dh0,
-            END_BY_SEG=False, **common)
+        rev_pass(dht, dh0, V, INIT=1 if dht is not None else 0, HAS_R=True, STORE_STEPS=True, STORE_END=need_dh0,
+                 END_BY_SEG=False)
         return gs, dvn, dh0
     # segmented: (1) local pass from zero and (2) K x K transition of every segment, in parallel over segments
     rloc = torch.empty(S, HV, K, V, dtype=acc_t, device=dev)
     trans = torch.empty(S, HV, K, K, dtype=acc_t, device=dev)
     xin = torch.empty(S, HV, K, V, dtype=acc_t, device=dev)
-    launch(chunk_bwd_dh_kernel, (cdiv(V, BV), HV, S),
-        q, k, w, g_cum, do, rq, rk, None, rloc, gs, dvn, segments, ci.chunk_offsets, *args,
-        VC=V, BV=BV, INIT=0, HAS_R=True, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True, **common)
-    BVK = min(BV, BK)
-    launch(chunk_bwd_dh_kernel, (cdiv(K, BVK), HV, S),
-        q, k, w, g_cum, do, rq, rk, None, trans, gs, dvn, segments, ci.chunk_offsets, *args,
-        VC=K, BV=BVK, INIT=3, HAS_R=False, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True, **common)
+    rev_pass(None, rloc, V, INIT=0, HAS_R=True, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True)
+    rev_pass(None, trans, K, INIT=3, HAS_R=False, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True)
     # (3) sequential merge over segments (K x K times K x V per segment)
     BVM = min(64, max(16, next_pow2(V)))
     launch(chunk_bwd_dh_merge_kernel, (cdiv(V, BVM), HV, ci.N),
@@ -245,10 +255,50 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
         HAS_DH0=need_dh0, PREC="ieee" if acc_t == torch.float64 else tuning.chunk_bwd(dev).merge_dot,
         num_warps=8)
     # (4) the final pass of every segment from its true end gradient, storing gs and dvn
-    launch(chunk_bwd_dh_kernel, (cdiv(V, BV), HV, S),
-        q, k, w, g_cum, do, rq, rk, xin, None, gs, dvn, segments, ci.chunk_offsets, *args,
-        VC=V, BV=BV, INIT=2, HAS_R=True, STORE_STEPS=True, STORE_END=False, END_BY_SEG=True, **common)
+    rev_pass(xin, None, V, INIT=2, HAS_R=True, STORE_STEPS=True, STORE_END=False, END_BY_SEG=True)
     return gs, dvn, dh0
 
 
-__all__ = ["chunk_bwd_dh"]
+def reverse_plan(q, k, do, w, state_dtype, ci, HV: int, K: int, V: int, dev, segment_chunks: Optional[int] = None):
+    """(chunks per segment or None, ``tile(programs, VC)``) of the reverse pass. ``tile`` gives the V tile (32, then
+    64) of the sm_90 pass for a launch of ``programs`` x (VC / tile) CTAs that fits one wave (one CTA per SM: as the
+    forward's sm_90 state pass, a chunk step slows down when SMs are shared), or 0 (the portable kernel).
+
+    Segments: forced ones (``segment_chunks`` / ``chunk_bwd.segment_chunks`` > 0) as asked; otherwise none where the
+    sm_90 pass takes every sequence x head in one wave and either fills half the SMs or the longest sequence has at
+    most ``chunk_bwd.dh_sm90_plain_chunks`` chunks (H100, gdn bench fwd + bwd against the portable segmented pass:
+    1x32768 16/32 10.20 -> 9.35 ms, 1x8192 4/8 2.66 -> 1.85; but 1x65536 2/8, 32 CTAs over 1024 chunks, 5.65 ->
+    6.28); else :func:`choose_reverse_segment_len`."""
+    cfg = tuning.chunk_bwd(dev)
+    seg = choose_reverse_segment_len(ci, HV, cdiv(V, _dh_config(V, dev)[0]), dev, segment_chunks)
+    if not cfg.dh_sm90 or dev.type != "cuda" or not ci.nchunks:
+        return seg, _no_tile
+    tiles = [bv for bv in (32, 64) if hopper.supported(q, k, do, w, state_dtype, K, V, bv)]
+    sms = _num_sms(dev)
+
+    def tile(programs: int, VC: int) -> int:
+        for bv in tiles:
+            if VC % bv == 0 and programs * (VC // bv) <= sms:
+                return bv
+        return 0
+
+    forced = segment_chunks if segment_chunks is not None else cfg.segment_chunks
+    if seg is not None and not forced:
+        bv = tile(ci.N * HV, V)
+        if bv and (2 * ci.N * HV * (V // bv) >= sms or max(ci.nchunks) <= int(cfg.dh_sm90_plain_chunks)):
+            seg = None
+    return seg, tile
+
+
+def _no_tile(programs: int, VC: int) -> int:
+    return 0
+
+
+def runs_sm90(q, k, do, w, state_dtype, ci, HV: int, K: int, V: int, dev, segment_chunks=None) -> bool:
+    """Whether the reverse pass of these arguments runs unsegmented on the sm_90 kernel (the backward then skips its
+    side stream: two one-CTA-per-SM kernels cannot share the SMs)."""
+    seg, tile = reverse_plan(q, k, do, w, state_dtype, ci, HV, K, V, dev, segment_chunks)
+    return seg is None and bool(tile(ci.N * HV, V))
+
+
+__all__ = ["chunk_bwd_dh", "reverse_plan", "runs_sm90"]

@@ -1,0 +1,242 @@
+"""Hopper (sm_90) form of the backward's reverse pass (``reverse.chunk_bwd_dh_kernel``), written in Gluon on the
+design of the forward's state pass (``..hopper``): one CTA (4 warps) per (V tile, value head, segment), the chunks
+of the segment last to first; k, w, q, dO and dv_local of chunk c - 1 come by TMA into a 2-deep shared-memory ring
+while chunk c computes; the products are asynchronous warpgroup MMAs; G (the gradient of the state leaving the
+chunk, fp32 [K, BV]) stays in registers as the accumulator and leaves through a TMA store.
+
+Per chunk (notation of :mod:`gdn.kernels.chunk.backward`; rows past the sequence's end masked)::
+
+    gs[c] = bf16(G)                                                        (TMA store from shared memory)
+    dVn   = dv_local + diag(e^(cL - c) r_k) (k @ G)         [64, BV]        k @ G: async wgmma, k and G in smem
+    G     = e^cL G + q^T (diag(e^c r_q scale) dO) - w^T dVn [K, BV]         two async wgmma on one accumulator
+
+``q^T (f dO)`` does not depend on G: it is issued together with ``k @ G`` so that only ``k @ G``, the row update of
+dVn and ``w^T dVn`` are on the chain. The same flags as the portable kernel: INIT 0 zeros, 1 ``x0[sequence]``, 2
+``x0[segment]``, 3 identity (V = K: a segment's K x K transition, HAS_R False: no q / dO / dv_local terms);
+STORE_STEPS (gs and dvn), STORE_END (G entering the first chunk into ``xend`` by segment or sequence, fp32).
+
+Layouts: k, q [B*T, H*K] and dO [B*T, HV*V] as 2-D views (token rows, strided rows allowed, last dim contiguous);
+w [B*T, HV*K], dvn [B, T, HV, V] contiguous (read as dv_local, overwritten with dVn: a chunk's rows are read before
+they are written and no other chunk of this program reads them); gs [NT*HV*K, V]; gcum [B*T, HV]; r_q / r_k
+[B*T, H].
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import _gluon_api as G
+from ...launch import launch
+from ...tuning import capability
+from ..hopper import CHUNK, _GL_DT, _desc, _rows2d
+
+if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through the version layer _gluon_api)
+    from ..hopper import (_segment_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
+                          tma_store, warpgroup_mma, warpgroup_mma_wait)
+
+    @gluon.jit
+    def _rev_gates(gcum, rq_in, rk_in, row0, to, eos, tok0, i_h, i_hv, has_chunk, scale,
+                   H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr):
+        """Row factors of the chunk whose token rows are ``row0 + to``: ``fk = e^(cL - c) r_k`` (k rows of dVn),
+        ``fq = e^c r_q scale`` (dO rows), both 0 past the sequence, and ``e^cL`` (1 when ``has_chunk`` is false)."""
+        rows = row0 + to
+        m = (rows < eos) & has_chunk     # (the chunk before a segment's first is not read: its rows may precede 0)
+        g = gl.load(gcum + (tok0 + rows) * HV + i_hv, mask=m, other=0.0)
+        last = gl.minimum(row0 + 64, eos) - 1
+        g_last = gl.load(gcum + (tok0 + last) * HV + i_hv, mask=has_chunk, other=0.0)
+        fk = gl.where(m, gl.exp(g_last - g), 0.0)
+        fq = gl.where(m, gl.exp(g) * scale, 0.0)
+        if USE_L2:
+            fk = fk * gl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
+            fq = fq * gl.load(rq_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
+        return fk, fq, gl.exp(g_last)
+
+    @gluon.jit
+    def _issue_rev_loads(k_desc, w_desc, q_desc, do_desc, dl_desc, bar, k_buf, w_buf, q_buf, do_buf, dl_buf,
+                         row, col_k, col_w, col_v, pred, HAS_R: gl.constexpr, nbytes: gl.constexpr):
+        """TMA copies of one chunk's k, w [64, K] (and q [64, K], dO, dv_local [64, BV] when HAS_R) into one ring
+        stage, completing on ``bar``; nothing when ``pred`` is false (before the segment's first chunk)."""
+        mbarrier.expect(bar, nbytes, pred=pred)
+        tma_load(k_desc, [row, col_k], bar, k_buf, pred=pred)
+        tma_load(w_desc, [row, col_w], bar, w_buf, pred=pred)
+        if HAS_R:
+            tma_load(q_desc, [row, col_k], bar, q_buf, pred=pred)
+            tma_load(do_desc, [row, col_v], bar, do_buf, pred=pred)
+            tma_load(dl_desc, [row, col_v], bar, dl_buf, pred=pred)
+
+    @gluon.jit
+    def _dh_pass_sm90_kernel(
+        k_desc, w_desc, q_desc, do_desc, dl_desc, gs_desc,
+        gcum, rq_in, rk_in, dvn, x0, xend, segments, cu_seqlens, chunk_offsets, scale, T,
+        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+        USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr, HAS_R: gl.constexpr,
+        STORE_STEPS: gl.constexpr, STORE_END: gl.constexpr, END_BY_SEG: gl.constexpr, NS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """The reverse pass of one (V tile, value head, segment) (module docstring); V is the state's column count
+        (K for the identity-started transitions)."""
+        C: gl.constexpr = 64
+        i_v = gl.program_id(0)
+        i_hv = gl.program_id(1)
+        i_s = gl.program_id(2)
+        i_h = i_hv // (HV // H)
+        n, c_beg, c_end, i_b, bos, eos = _segment_span(segments, cu_seqlens, i_s, T, IS_VARLEN)
+        choff = gl.load(chunk_offsets + n)
+        tok0 = i_b * T
+        dt: gl.constexpr = k_desc.dtype
+        k_s = gl.allocate_shared_memory(dt, [NS, C, K], k_desc.layout)
+        w_s = gl.allocate_shared_memory(dt, [NS, C, K], w_desc.layout)
+        if HAS_R:
+            q_s = gl.allocate_shared_memory(dt, [NS, C, K], q_desc.layout)
+            do_s = gl.allocate_shared_memory(dt, [NS, C, BV], do_desc.layout)
+            dl_s = gl.allocate_shared_memory(dt, [NS, C, BV], dl_desc.layout)
+        else:
+            q_s = k_s
+            do_s = k_s
+            dl_s = k_s
+        bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        g_s = gl.allocate_shared_memory(dt, [K, BV], gs_desc.layout)
+        op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], dt)
+        fdo_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
+        ndv_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
+        for j in gl.static_range(NS):
+            mbarrier.init(bars.index(j), count=1)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, BV, 16])
+        rows_l: gl.constexpr = gl.SliceLayout(1, mma)
+        cols_l: gl.constexpr = gl.SliceLayout(0, mma)
+        ok = gl.arange(0, K, layout=rows_l)
+        ov = i_v * BV + gl.arange(0, BV, layout=cols_l)
+        to = gl.arange(0, C, layout=rows_l)
+        m_kv = (ok[:, None] < K) & (ov[None, :] < V)
+
+        # ---- G entering the last chunk (fp32 registers, the wgmma accumulator layout)
+        if INIT == 3:
+            gr = gl.where((ok[:, None] == ov[None, :]) & m_kv, 1.0, 0.0)
+        else:
+            gr = gl.zeros([K, BV], gl.float32, layout=mma)
+        if INIT == 1:
+            gr += gl.load(x0 + ((n * HV + i_hv) * K + ok[:, None]).to(gl.int64) * V + ov[None, :], mask=m_kv,
+                          other=0.0).to(gl.float32)
+        if INIT == 2:
+            gr += gl.load(x0 + ((i_s * HV + i_hv) * K + ok[:, None]).to(gl.int64) * V + ov[None, :], mask=m_kv,
+                          other=0.0).to(gl.float32)
+
+        if HAS_R:
+            nbytes: gl.constexpr = (3 * C * K + 2 * C * BV) * (dt.primitive_bitwidth // 8)
+        else:
+            nbytes: gl.constexpr = 2 * C * K * (dt.primitive_bitwidth // 8)
+        col_k = i_h * K
+        col_w = i_hv * K
+        col_v = i_hv * V + i_v * BV
+        # ---- prologue: chunks c_end - 1 .. c_end - NS + 1 into the ring
+        for j in gl.static_range(NS - 1):
+            _issue_rev_loads(k_desc, w_desc, q_desc, do_desc, dl_desc, bars.index(j), k_s.index(j), w_s.index(j),
+                             q_s.index(j), do_s.index(j), dl_s.index(j), tok0 + bos + (c_end - 1 - j) * C,
+                             col_k, col_w, col_v, c_end - 1 - j >= c_beg, HAS_R, nbytes)
+        fk_n, fq_n, el_n = _rev_gates(gcum, rq_in, rk_in, bos + (c_end - 1) * C, to, eos, tok0, i_h, i_hv,
+                                      c_end > c_beg, scale, H, HV, USE_L2)
+        zero = gl.zeros([C, BV], gl.float32, layout=mma)
+        for it in range(0, c_end - c_beg):
+            c = c_end - 1 - it
+            s = it % NS
+            phase = (it // NS) & 1
+            # ---- refill the stage consumed one step ago with chunk c - NS + 1
+            sf = (it + NS - 1) % NS
+            _issue_rev_loads(k_desc, w_desc, q_desc, do_desc, dl_desc, bars.index(sf), k_s.index(sf),
+                             w_s.index(sf), q_s.index(sf), do_s.index(sf), dl_s.index(sf),
+                             tok0 + bos + (c - NS + 1) * C, col_k, col_w, col_v, c - NS + 1 >= c_beg, HAS_R,
+                             nbytes)
+            fk = fk_n
+            fq = fq_n
+            e_last = el_n
+            fk_n, fq_n, el_n = _rev_gates(gcum, rq_in, rk_in, bos + (c - 1) * C, to, eos, tok0, i_h, i_hv,
+                                          c > c_beg, scale, H, HV, USE_L2)
+            rows = bos + c * C + to
+            m = rows < eos
+
+            # ---- G (bf16) into shared memory: operand of k @ G, and gs[c]
+            if STORE_STEPS:
+                tma.store_wait(0)
+            g_s.store(gr.to(dt))
+            mbarrier.wait(bars.index(s), phase)
+            if HAS_R:
+                dov = do_s.index(s).load(mma).to(gl.float32)
+                fdo_s.store(gl.where(m[:, None], dov * fq[:, None], 0.0).to(dt))
+            fence_async_shared()
+            cta_barrier()
+            if STORE_STEPS:
+                tma_store(gs_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], g_s)
+            kg = warpgroup_mma(k_s.index(s), g_s, zero, use_acc=False, is_async=True)
+            acc = gr * e_last
+            if HAS_R:
+                acc = warpgroup_mma(q_s.index(s).permute((1, 0)), fdo_s, acc, is_async=True)
+                dl = dl_s.index(s).load(mma).to(gl.float32)
+                kg = warpgroup_mma_wait(1, deps=[kg])
+                dv = gl.where(m[:, None], kg * fk[:, None] + dl, 0.0)
+            else:
+                kg = warpgroup_mma_wait(0, deps=[kg])
+                dv = gl.where(m[:, None], kg * fk[:, None], 0.0)
+            if STORE_STEPS:
+                pv = dvn + ((tok0 + rows) * HV + i_hv).to(gl.int64)[:, None] * V + ov[None, :]
+                gl.store(pv, dv.to(dvn.dtype.element_ty), mask=m[:, None] & (ov[None, :] < V))
+            ndv_s.store((-dv).to(dt))
+            fence_async_shared()
+            cta_barrier()
+            # ---- G = e^cL G + q^T (fq dO) - w^T dVn
+            acc = warpgroup_mma(w_s.index(s).permute((1, 0)), ndv_s, acc, is_async=True)
+            gr = warpgroup_mma_wait(0, deps=[acc])
+
+        if STORE_STEPS:
+            tma.store_wait(0)
+        if STORE_END:
+            if END_BY_SEG:
+                row_e = i_s
+            else:
+                row_e = n
+            gl.store(xend + ((row_e * HV + i_hv) * K + ok[:, None]).to(gl.int64) * V + ov[None, :],
+                     gr.to(xend.dtype.element_ty), mask=m_kv)
+        for j in gl.static_range(NS):
+            mbarrier.invalidate(bars.index(j))
+
+
+def supported(q, k, do, w, state_dtype, K: int, V: int, BV: int) -> bool:
+    """Whether the sm_90 reverse pass can take a launch (else the portable kernel does): Gluon, sm_90, 16-bit
+    operands of one dtype (q, k, dO, w and the gs / dvn it writes: ``state_dtype``, w's dtype), K 64 / 128, V a
+    multiple of BV (32 / 64), q / k / dO as 2-D TMA views, w contiguous."""
+    if not G.AVAILABLE or BV not in (32, 64) or K not in (64, 128) or V % BV or capability(k.device) != "sm_90":
+        return False
+    dt = k.dtype
+    if dt not in _GL_DT or any(x.dtype != dt for x in (q, w, do)) or state_dtype != dt:
+        return False
+    if not w.is_contiguous() or w.shape[-1] != K:
+        return False
+    return all(_rows2d(x) is not None for x in (q, k, do))
+
+
+def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments, chunk_offsets, cu_seqlens, scale,
+                   T, *, H, HV, K, V, BV, use_l2, INIT, HAS_R, STORE_STEPS, STORE_END, END_BY_SEG, stages=2):
+    """Launch the sm_90 reverse pass over ``grid`` = (V // BV, HV, segments) (``supported`` must have said yes);
+    arguments and flags as the portable ``chunk_bwd_dh_kernel``'s (``V`` = K for INIT 3). Unused tensors may be
+    None."""
+    dn = _GL_DT[k.dtype]
+    B = k.shape[0]
+    k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
+    w_desc = _desc(w.view(B * T, -1), (CHUNK, K), dn)
+    if HAS_R:
+        q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
+        do_desc = _desc(_rows2d(do), (CHUNK, BV), dn)
+        dl_desc = _desc(dvn.view(B * T, -1), (CHUNK, BV), dn)
+    else:
+        q_desc = do_desc = dl_desc = k_desc
+    gs_desc = _desc(gs.view(-1, gs.shape[-1]), (K, BV), dn)
+    ph = g_cum
+    launch(_dh_pass_sm90_kernel, grid,
+        k_desc, w_desc, q_desc, do_desc, dl_desc, gs_desc,
+        g_cum, rq if rq is not None else ph, rk if rk is not None else ph, dvn, x0 if x0 is not None else ph,
+        xend if xend is not None else ph, segments, cu_seqlens if cu_seqlens is not None else segments, chunk_offsets, float(scale), T,
+        H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, INIT=INIT, HAS_R=HAS_R,
+        STORE_STEPS=STORE_STEPS, STORE_END=STORE_END, END_BY_SEG=END_BY_SEG, NS=stages, num_warps=4)
+
+
+__all__ = ["supported", "launch_dh_pass"]
