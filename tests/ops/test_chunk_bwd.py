@@ -398,9 +398,10 @@ def test_reverse_pass_plan_sm90(monkeypatch):
 
     def plan(N, L, HV, **kw):
         ci = prepare_chunk_indices(None, L, 64, N, device=torch.device("cpu"))
-        seg, tile = reverse.reverse_plan(x, x, x, x, torch.bfloat16, ci, HV, 128, 128, dev, **kw)
+        rplan = reverse.reverse_plan(x, x, x, x, torch.bfloat16, ci, HV, 128, 128, dev, **kw)
+        seg, tile = rplan
         return seg, tile(ci.N * HV if seg is None else plan_mod.segment_count(ci, seg) * HV, 128), \
-            reverse.runs_sm90(x, x, x, x, torch.bfloat16, ci, HV, 128, 128, dev, **kw)
+            reverse.runs_sm90(rplan, ci, HV, 128)
 
     assert plan(1, 32768, 32) == (None, 32, True)          # 128 CTAs at V tile 32
     assert plan(1, 8192, 8) == (None, 32, True)            # 32 CTAs, 128 chunks: short enough

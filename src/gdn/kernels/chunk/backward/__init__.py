@@ -88,7 +88,7 @@ from ..plan import prepare_chunk_indices
 from ..prepare import chunk_fwd_prepare, recompute_w_u
 from ..state import chunk_state_pass
 from .parts import chunk_bwd_main
-from .reverse import chunk_bwd_dh, runs_sm90
+from .reverse import chunk_bwd_dh, reverse_plan, runs_sm90
 
 
 _SIDE_STREAMS = {}
@@ -140,9 +140,12 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
         return chunk_state_pass(k, w, u, g_cum, initial_state, False, cu_seqlens, C, l2, h_dtype=h_dtype,
                                 chunk_index=ci, rk=rk, buffers=buffers)[:2]
 
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    rplan = reverse_plan(q, k, do, w, h_dtype, ci, v.shape[2], K, v.shape[3], dev, segment_chunks)
     concurrent = need_h and dev.type == "cuda" and tuning.chunk_bwd(dev).concurrent \
         and not torch.cuda.is_current_stream_capturing() \
-        and not runs_sm90(q, k, do, w, h_dtype, ci, v.shape[2], K, v.shape[3], dev, segment_chunks)
+        and not runs_sm90(rplan, ci, v.shape[2], v.shape[3])
     if concurrent:
         cur = torch.cuda.current_stream(dev)
         side = _side_stream(dev)
@@ -157,7 +160,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     elif need_h:
         h, v_new = state_pass()
     gs, dvn, dh0 = chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, C, l2, initial_state is not None,
-                                state_dtype=h_dtype, chunk_index=ci, segment_chunks=segment_chunks, rq=rq, rk=rk)
+                                state_dtype=h_dtype, chunk_index=ci, segment_chunks=segment_chunks, rq=rq, rk=rk,
+                                plan=rplan)
     if concurrent:
         cur.wait_stream(side)
     del w, u  # peak memory: not needed by the last kernel

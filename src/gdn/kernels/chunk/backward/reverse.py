@@ -182,7 +182,8 @@ def _dh_config(V: int, device):
 
 
 def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, need_dh0,
-                 state_dtype=None, chunk_index=None, segment_chunks: Optional[int] = None, rq=None, rk=None):
+                 state_dtype=None, chunk_index=None, segment_chunks: Optional[int] = None, rq=None, rk=None,
+                 plan=None):
     """Reverse state-gradient pass (dv_local, then the reverse pass).
 
     q, k [B, T, H, K] raw (strided ok), w [B, T, HV, K] (forward's w, its dtype is the dot operand dtype),
@@ -191,6 +192,7 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     dvn [B, T, HV, V] (dL/dv_new, w's dtype), dh0 [N, HV, K, V] fp32 or None)``.
     ``segment_chunks``: None heuristic, -1 never, n > 0 split every sequence into segments of n chunks that run in
     parallel (local pass + K x K transitions, a short sequential merge, then the final pass).
+    ``plan``: :func:`reverse_plan` of these arguments when the caller has it already.
     """
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
@@ -218,9 +220,9 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     args = (cu_seqlens, float(scale), T, *_strides(q), *_strides(k), *_strides(do))
     dv_local(q, k, g_cum, do, rq, rk, dvn, ci, cu_seqlens, args[1], T, args[3:], meta)
     BV, nw, ns = _dh_config(V, dev)
-    seg, sm90 = reverse_plan(q, k, do, w, sdt, ci, HV, K, V, dev, segment_chunks)
-    plan = plan_segments(ci, seg, dev)
-    S, segments, seg_offsets = plan.S, plan.segments, plan.seg_offsets
+    seg, sm90 = plan if plan is not None else reverse_plan(q, k, do, w, sdt, ci, HV, K, V, dev, segment_chunks)
+    segs = plan_segments(ci, seg, dev)
+    S, segments, seg_offsets = segs.S, segs.segments, segs.seg_offsets
     common = dict(meta, num_warps=nw, num_stages=ns)
     stages9 = int(tuning.chunk_bwd(dev).dh_sm90_stages)
 
@@ -294,10 +296,10 @@ def _no_tile(programs: int, VC: int) -> int:
     return 0
 
 
-def runs_sm90(q, k, do, w, state_dtype, ci, HV: int, K: int, V: int, dev, segment_chunks=None) -> bool:
-    """Whether the reverse pass of these arguments runs unsegmented on the sm_90 kernel (the backward then skips its
-    side stream: two one-CTA-per-SM kernels cannot share the SMs)."""
-    seg, tile = reverse_plan(q, k, do, w, state_dtype, ci, HV, K, V, dev, segment_chunks)
+def runs_sm90(plan, ci, HV: int, V: int) -> bool:
+    """Whether a :func:`reverse_plan` runs the reverse pass unsegmented on the sm_90 kernel (the backward then skips
+    its side stream: two one-CTA-per-SM kernels cannot share the SMs)."""
+    seg, tile = plan
     return seg is None and bool(tile(ci.N * HV, V))
 
 
