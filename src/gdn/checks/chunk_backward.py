@@ -200,7 +200,8 @@ def chunk_backward_target_shapes(device):
     default path against the portable reverse pass (``chunk_gated_delta_rule_bwd``, every gradient, random dO over
     the whole sequence; the portable pass segments these long sequences, the sm_90 one does not), and autograd
     through the public op against float64 on a prefix of every sequence with dO zero after it (then the prefix's
-    gradients are those of the prefix alone)."""
+    gradients are those of the prefix alone), in bf16 and (1x8192) fp32; the default backward run twice is bitwise
+    the same."""
     if not _sm90_reverse_available(device):
         return []
     from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
@@ -226,6 +227,10 @@ def chunk_backward_target_shapes(device):
             out.append(Result("chunk_backward", f"target {tag}: sm90 reverse pass launches {calls[0]}", 0.0, 0.0))
         out += [Result("chunk_backward", f"target {tag} {n} vs portable reverse", rel_err(a, b), 1e-2)
                 for n, a, b in zip(_NAMES, res[0], res[1])]
+        again = chunk_gated_delta_rule_bwd(x.q, x.k, x.v, x.g, x.beta, scale, None, cu, 64, True, do, None)[:5]
+        same = all(torch.equal(a, b) for a, b in zip(res[0], again))
+        out.append(Result("chunk_backward", f"target {tag}: two runs bitwise equal (deterministic)",
+                          0.0 if same else float("inf"), 0.0))
 
         keep = torch.zeros(T, dtype=torch.bool, device=device)
         for n in range(N):
@@ -242,4 +247,11 @@ def chunk_backward_target_shapes(device):
                 errs[name] = max(errs[name], rel_err(a.grad[:, sl], r))
         out += [Result("chunk_backward", f"target {tag} {n}[:{prefix}] per sequence vs float64", e,
                        _TOL[torch.bfloat16]) for n, e in errs.items()]
+        if N == 1 and L == 8192:   # fp32 inputs (the portable kernels: the sm_90 pass takes 16-bit operands)
+            x32 = [t.float() for t in (x.q, x.k, x.v, x.g, x.beta)]
+            d32 = torch.where(keep[None, :, None, None], do, 0).float()
+            got = chunk_gated_delta_rule_bwd(*x32, scale, None, cu, 64, True, d32, None)[:5]
+            ref = _ref_grads(*[t[:, :prefix] for t in x32], scale, None, None, True, d32[:, :prefix], None)
+            out += [Result("chunk_backward", f"target {tag} fp32 {n}[:{prefix}] vs float64",
+                           rel_err(a[:, :prefix], r), _TOL[torch.float32]) for n, a, r in zip(_NAMES, got, ref)]
     return out
