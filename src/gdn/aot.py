@@ -349,14 +349,14 @@ def compile_hopper_fused_pass(BV=32, NS=2, dtype=None, **flags):
     return compile_gluon(m._chunk_fused_sm90_kernel, args, cx)
 
 
-def compile_hopper_dh_pass(BV=32, NS=2, dtype=None, **flags):
+def compile_hopper_dh_pass(BV=32, NS=2, dtype=None, K=128, **flags):
     """The Hopper reverse pass of the backward (gdn.kernels.chunk.backward.hopper) for one configuration."""
     import torch
     from .kernels.chunk import hopper as m
     from .kernels.chunk.backward import hopper as mb
 
-    dt = dtype or torch.bfloat16
-    B, T, H, HV, K, V = 1, 256, 2, 4, 128, 128
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.bfloat16)
+    B, T, H, HV, V = 1, 256, 2, 4, 128
     VC = K if flags.get("INIT") == 3 else V
     q = torch.empty(B, T, H, K, dtype=dt)
     w = torch.empty(B, T, HV, K, dtype=dt)
@@ -379,7 +379,9 @@ DH_CONFIGS = [dict(BV=bv, **f) for bv in (32, 64)
               for f in (dict(INIT=1), dict(INIT=0, IS_VARLEN=False, USE_L2=False, STORE_END=False),
                         dict(INIT=0, STORE_STEPS=False, END_BY_SEG=True),
                         dict(INIT=3, HAS_R=False, STORE_STEPS=False, END_BY_SEG=True),
-                        dict(INIT=2, STORE_END=False))]
+                        dict(INIT=2, STORE_END=False))] + \
+    [dict(BV=32, K=64), dict(BV=64, K=64, INIT=3, HAS_R=False, STORE_STEPS=False, END_BY_SEG=True),
+     dict(BV=32, dtype="float16")]
 
 
 HOPPER_CONFIGS = [dict(BV=bv, from_ainv=fa, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=idx, HT_INDEXED=idx,

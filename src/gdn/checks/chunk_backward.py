@@ -155,8 +155,9 @@ def _counting_sm90_launches():
 def chunk_backward_reverse_sm90(device):
     """Hopper only: the Gluon reverse pass (gdn.kernels.chunk.backward.hopper) against the portable kernel on the same
     inputs: gs (gradient of every chunk's end state), dvn and dh0 of ``chunk_bwd_dh``; a ragged varlen batch with an
-    end-state gradient and the L2 norm, a batch without either, and forced segments (the local, transition and final
-    passes: INIT 0 / 3 / 2); GVA (HV = 2 H). Also that the Gluon kernel did run in every case."""
+    end-state gradient and the L2 norm, a batch without either, forced segments (the local, transition and final
+    passes: INIT 0 / 3 / 2), K = 64 with fp16 operands; GVA (HV = 2 H). Also that the Gluon kernel did run in every
+    case (and did not with it switched off)."""
     if not _sm90_reverse_available(device):
         return []
     from ..kernels.chunk.backward.reverse import chunk_bwd_dh
@@ -164,11 +165,13 @@ def chunk_backward_reverse_sm90(device):
     from ..kernels.tuning import override
 
     s = _shapes(device)
-    H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
+    H, HV, V = s["H"], s["HV"], s["V"]
     out = []
-    for name, varlen, l2, with_dht, seg in (("varlen dht l2", True, True, True, -1),
-                                            ("batch", False, False, False, -1),
-                                            ("varlen segments", True, True, True, 2)):
+    for name, varlen, l2, with_dht, seg, K, dt in (
+            ("varlen dht l2", True, True, True, -1, s["K"], torch.bfloat16),
+            ("batch", False, False, False, -1, s["K"], torch.bfloat16),
+            ("varlen segments", True, True, True, 2, s["K"], torch.bfloat16),
+            ("K=64 fp16 varlen dht", True, True, True, -1, 64, torch.float16)):
         if varlen:
             cu = torch.tensor([0] + torch.tensor(s["lens"] + [64]).cumsum(0).tolist(), dtype=torch.int32,
                               device=device)
@@ -177,10 +180,10 @@ def chunk_backward_reverse_sm90(device):
             cu, B, T, N = None, s["B"], s["T"], s["B"]
         # gates near 1 (g ~ -1e-3): the end-state gradient is carried across every chunk (with the default gates a
         # chunk decays it by ~e^-30, below fp32 resolution, and a wrong carry would go unseen)
-        x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16, device=device, g_range=(-0.002, -0.0005))
+        x = make_inputs(B, T, H, HV, K, V, dtype=dt, device=device, g_range=(-0.002, -0.0005))
         g_cum, _, w, _ = chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, l2, store_ainv=True, store_wu=True,
-                                           ainv_dtype=torch.bfloat16)
-        do = torch.randn(B, T, HV, V, device=device).to(torch.bfloat16)
+                                           ainv_dtype=dt)
+        do = torch.randn(B, T, HV, V, device=device).to(dt)
         dht = torch.randn(N, HV, K, V, device=device) if with_dht else None
         res = []
         for sm90 in (False, True):
