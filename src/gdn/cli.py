@@ -42,7 +42,8 @@ def _cmd_check(args) -> int:
             print(f"{r.op:<{w_op}}  {r.case:<{w_case}}  {r.rel_err:>10.2e}  {r.tol:>8.1e}  {status}{note}",
                   flush=True)
 
-    results = run_all(dev, only=only, progress=show)
+    names = [n for n in args.checks.split(",") if n] if args.checks else None
+    results = run_all(dev, only=only, progress=show, names=names)
     failed = [r for r in results if not r.passed]
     print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
     return 1 if failed or not results else 0
@@ -66,6 +67,9 @@ def main(argv=None) -> int:
     c = sub.add_parser("check", help="verify every op against the float64 reference on this device")
     c.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available, else cpu")
     c.add_argument("--ops", default=None, help="comma-separated subset of check modules")
+    c.add_argument("--checks", default=None,
+                   help="comma-separated: only the check functions whose name contains one of these (e.g. "
+                        "reverse_sm90,target_shapes; a cold GPU compiles only what they launch)")
     c.set_defaults(fn=_cmd_check)
     b = sub.add_parser("bench", help="time the ops (and fla / FlashInfer when importable)")
     try:
