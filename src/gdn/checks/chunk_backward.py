@@ -8,6 +8,8 @@ state layouts. CUDA: B=2, T=300, H=2, HV=4, K=V=128; CPU (interpreter): tiny sha
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..reference import chunk_gated_delta_rule_ref
@@ -133,26 +135,22 @@ def _sm90_reverse_available(device) -> bool:
     return _gluon_api.AVAILABLE
 
 
+@contextlib.contextmanager
 def _counting_sm90_launches():
-    """A context that counts launches of the sm_90 reverse pass (``hopper.launch_dh_pass``)."""
-    import contextlib
-
+    """Counts launches of the sm_90 reverse pass (``hopper.launch_dh_pass``) in its block: yields a one-item list."""
     from ..kernels.chunk.backward import hopper
 
-    @contextlib.contextmanager
-    def ctx():
-        calls = [0]
-        real = hopper.launch_dh_pass
+    calls = [0]
+    real = hopper.launch_dh_pass
 
-        def counted(*a, **kw):
-            calls[0] += 1
-            return real(*a, **kw)
-        hopper.launch_dh_pass = counted
-        try:
-            yield calls
-        finally:
-            hopper.launch_dh_pass = real
-    return ctx()
+    def counted(*a, **kw):
+        calls[0] += 1
+        return real(*a, **kw)
+    hopper.launch_dh_pass = counted
+    try:
+        yield calls
+    finally:
+        hopper.launch_dh_pass = real
 
 
 @register
@@ -218,7 +216,10 @@ def chunk_backward_target_shapes(device):
     out = []
     prefix = 192
     scale = 128 ** -0.5
-    for N, L, H, HV in ((1, 8192, 16, 32), (1, 32768, 16, 32), (4, 4096, 16, 32), (1, 65536, 2, 8)):
+    # the last field: whether the sm_90 reverse pass takes the shape (one wave of 32-column tiles, and not few heads
+    # over a long sequence: reverse.reverse_plan)
+    for N, L, H, HV, sm90 in ((1, 8192, 16, 32, True), (1, 32768, 16, 32, True), (4, 4096, 16, 32, False),
+                              (1, 65536, 2, 8, False)):
         T = N * L
         # gates near 1 (g in [-0.02, -0.001]): gradients carried over hundreds of chunks, so the unsegmented sm_90
         # pass and the segmented portable one differ by rounding, not by nothing
@@ -227,11 +228,13 @@ def chunk_backward_target_shapes(device):
         do = torch.randn(1, T, HV, 128, device=device).to(torch.bfloat16)
         tag = f"{N}x{L} {H}/{HV}"
         res = []
-        for sm90 in (True, False):
-            with override("chunk_bwd", dh_sm90=sm90), _counting_sm90_launches() as calls:
+        for on in (True, False):
+            with override("chunk_bwd", dh_sm90=on), _counting_sm90_launches() as calls:
                 res.append(chunk_gated_delta_rule_bwd(x.q, x.k, x.v, x.g, x.beta, scale, None, cu, 64, True, do,
                                                       None)[:5])
-            out.append(Result("chunk_backward", f"target {tag}: sm90 reverse pass launches {calls[0]}", 0.0, 0.0))
+            want = 1 if (on and sm90) else 0
+            out.append(Result("chunk_backward", f"target {tag}: sm90 reverse pass launches {calls[0]} (want {want})",
+                              0.0 if calls[0] == want else float("inf"), 0.0))
         out += [Result("chunk_backward", f"target {tag} {n} vs portable reverse", rel_err(a, b), 1e-2)
                 for n, a, b in zip(_NAMES, res[0], res[1])]
         again = chunk_gated_delta_rule_bwd(x.q, x.k, x.v, x.g, x.beta, scale, None, cu, 64, True, do, None)[:5]

@@ -124,6 +124,15 @@ def _num_sms(device) -> int:
     return _SM_COUNT[idx]
 
 
+def one_wave_tile(programs: int, V: int, device, tiles=(32, 64)) -> int:
+    """The first V tile of ``tiles`` that divides V and whose grid of ``programs`` x (V / tile) CTAs fits one wave of
+    one CTA per SM (the sm_90 sequential passes: a chunk step slows down when SMs are shared), else 0."""
+    for bv in tiles:
+        if V % bv == 0 and programs * (V // bv) <= _num_sms(device):
+            return bv
+    return 0
+
+
 def segment_count(ci: ChunkIndex, seg_len: int) -> int:
     """Segments of :func:`plan_segments` with ``seg_len`` chunks each (a sequence of at most one segment, an empty
     one included, is one)."""

@@ -19,7 +19,8 @@ from ..common import cdiv, l2_rnorm
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _pow2, _rn,
                      _seq_span, _state_row, _strides3)
 from . import hopper
-from .plan import ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, plan_segments, segment_count
+from .plan import (ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, one_wave_tile, plan_segments,
+                   segment_count)
 from .segments import merge_segment_states
 
 
@@ -236,10 +237,7 @@ def _plan_pass(ci, HV, K, V, dev, sm90, segment_chunks, cfg):
             return 0
         if cfg.state_sm90_BV > 0:
             return cfg.state_sm90_BV
-        for bv9 in (32, 64):
-            if V % bv9 == 0 and programs_per_column_tile * (V // bv9) <= _num_sms(dev):
-                return bv9
-        return 0
+        return one_wave_tile(programs_per_column_tile, V, dev)
 
     plain9 = sm90_tile(ci.N * HV)
     seg = choose_segment_len(ci, HV, V, _state_bv(K, V, dev), dev, force=segment_chunks, K=K,

@@ -200,11 +200,11 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
             mbarrier.invalidate(bars.index(j))
 
 
-def supported(q, k, do, w, state_dtype, K: int, V: int, BV: int) -> bool:
-    """Whether the sm_90 reverse pass can take a launch (else the portable kernel does): Gluon, sm_90, 16-bit
+def supported(q, k, do, w, state_dtype, K: int, V: int) -> bool:
+    """Whether the sm_90 reverse pass can take these arguments (else the portable kernel does): Gluon, sm_90, 16-bit
     operands of one dtype (q, k, dO, w and the gs / dvn it writes: ``state_dtype``, w's dtype), K 64 / 128, V a
-    multiple of BV (32 / 64), q / k / dO as 2-D TMA views, w contiguous."""
-    if not G.AVAILABLE or BV not in (32, 64) or K not in (64, 128) or V % BV or capability(k.device) != "sm_90":
+    multiple of 32 (its V tiles: 32 / 64), q / k / dO as 2-D TMA views, w contiguous."""
+    if not G.AVAILABLE or K not in (64, 128) or V % 32 or capability(k.device) != "sm_90":
         return False
     dt = k.dtype
     if dt not in _GL_DT or any(x.dtype != dt for x in (q, w, do)) or state_dtype != dt:

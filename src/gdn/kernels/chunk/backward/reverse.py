@@ -19,7 +19,7 @@ import triton.language as tl
 
 from ...common import cdiv, l2_rnorm, next_pow2
 from ... import tuning
-from ..plan import _num_sms, choose_reverse_segment_len, plan_segments, prepare_chunk_indices
+from ..plan import _num_sms, choose_reverse_segment_len, one_wave_tile, plan_segments, prepare_chunk_indices
 from .common import _acc_dtype, _dot_precision, _mm_dtype, _strides
 from .dv_local import dv_local
 from . import hopper
@@ -273,21 +273,16 @@ def reverse_plan(q, k, do, w, state_dtype, ci, HV: int, K: int, V: int, dev, seg
     6.28); else :func:`choose_reverse_segment_len`."""
     cfg = tuning.chunk_bwd(dev)
     seg = choose_reverse_segment_len(ci, HV, cdiv(V, _dh_config(V, dev)[0]), dev, segment_chunks)
-    if not cfg.dh_sm90 or dev.type != "cuda" or not ci.nchunks:
+    if not cfg.dh_sm90 or dev.type != "cuda" or not ci.nchunks or not hopper.supported(q, k, do, w, state_dtype, K, V):
         return seg, _no_tile
-    tiles = [bv for bv in (32, 64) if hopper.supported(q, k, do, w, state_dtype, K, V, bv)]
-    sms = _num_sms(dev)
 
     def tile(programs: int, VC: int) -> int:
-        for bv in tiles:
-            if VC % bv == 0 and programs * (VC // bv) <= sms:
-                return bv
-        return 0
+        return one_wave_tile(programs, VC, dev)
 
     forced = segment_chunks if segment_chunks is not None else cfg.segment_chunks
     if seg is not None and not forced:
         bv = tile(ci.N * HV, V)
-        if bv and (2 * ci.N * HV * (V // bv) >= sms or max(ci.nchunks) <= int(cfg.dh_sm90_plain_chunks)):
+        if bv and (2 * ci.N * HV * (V // bv) >= _num_sms(dev) or max(ci.nchunks) <= int(cfg.dh_sm90_plain_chunks)):
             seg = None
     return seg, tile
 
