@@ -375,6 +375,32 @@ def compile_hopper_dh_pass(BV=32, NS=2, dtype=None, K=128, **flags):
     return compile_gluon(mb._dh_pass_sm90_kernel, args, cx)
 
 
+def compile_hopper_parts(K=128, dtype=None, **flags):
+    """The Hopper parts kernel of the backward (gdn.kernels.chunk.backward.hopper_parts) for one configuration."""
+    import torch
+    from .kernels.chunk import hopper as m
+    from .kernels.chunk.backward import hopper_parts as mp
+
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.bfloat16)
+    B, T, H, HV = 1, 256, 2, 4
+    x = torch.empty(B, T, HV, K, dtype=dt)
+    hh = torch.empty(8 * HV * K, K, dtype=dt)
+    dn = m._GL_DT[dt]
+    f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
+    row = m._desc(m._rows2d(x), (64, K), dn)
+    args = dict(q_desc=row, k_desc=row, do_desc=row, vn_desc=row, dvn_desc=row, v_desc=row,
+                ai_desc=m._desc(x.view(B * T, -1)[:, :HV * 64], (64, 64), dn), h_desc=m._desc(hh, (K, K), dn),
+                gs_desc=m._desc(hh, (K, K), dn), gcum=f32, beta=torch.empty(4, dtype=dt), rq_in=f32, rk_in=f32,
+                dq_v=torch.empty(4, dtype=dt), dk_v=f32, dv=torch.empty(4, dtype=dt), dbeta=torch.empty(4, dtype=dt),
+                dg=f32, cu_seqlens=i32, chunk_indices=i32, scale=0.5, T=T)
+    cx = dict(H=H, HV=HV, D=K, USE_L2=True, IS_VARLEN=True, num_warps=8)
+    cx.update(flags)
+    return compile_gluon(mp._bwd_parts_sm90_kernel, args, cx, num_warps=cx["num_warps"])
+
+
+PARTS_CONFIGS = [dict(), dict(USE_L2=False, IS_VARLEN=False), dict(K=64), dict(dtype="float16")]
+
+
 DH_CONFIGS = [dict(BV=bv, **f) for bv in (32, 64)
               for f in (dict(INIT=1), dict(INIT=0, IS_VARLEN=False, USE_L2=False, STORE_END=False),
                         dict(INIT=0, STORE_STEPS=False, END_BY_SEG=True),
@@ -407,6 +433,7 @@ def _compile_hopper() -> int:
     builds = [("state pass", compile_hopper_state_pass, c) for c in HOPPER_CONFIGS]
     builds += [("fused pass", compile_hopper_fused_pass, c) for c in FUSED_CONFIGS]
     builds += [("reverse pass", compile_hopper_dh_pass, c) for c in DH_CONFIGS]
+    builds += [("parts", compile_hopper_parts, c) for c in PARTS_CONFIGS]
     for name, build, cfg in builds:
         try:
             build(**cfg)
@@ -417,7 +444,7 @@ def _compile_hopper() -> int:
                 cause = cause.__cause__ or cause.__context__
             print(f"  FAIL hopper {name} {cfg}: {type(cause).__name__}: {cause}", flush=True)
     total = len(builds)
-    print(f"gdn.aot: hopper: {total - bad} of {total} state-pass, fused and reverse-pass configurations compile",
+    print(f"gdn.aot: hopper: {total - bad} of {total} state-pass, fused, reverse-pass and parts configurations compile",
           flush=True)
     return 1 if bad else 0
 

@@ -136,21 +136,23 @@ def _sm90_reverse_available(device) -> bool:
 
 
 @contextlib.contextmanager
-def _counting_sm90_launches():
-    """Counts launches of the sm_90 reverse pass (``hopper.launch_dh_pass``) in its block: yields a one-item list."""
-    from ..kernels.chunk.backward import hopper
+def _counting_sm90_launches(module="hopper", name="launch_dh_pass"):
+    """Counts calls of an sm_90 launcher (default the reverse pass, ``hopper.launch_dh_pass``; the parts kernel is
+    ``hopper_parts.launch_parts``) in its block: yields a one-item list."""
+    import importlib
 
+    mod = importlib.import_module(f"gdn.kernels.chunk.backward.{module}")
     calls = [0]
-    real = hopper.launch_dh_pass
+    real = getattr(mod, name)
 
     def counted(*a, **kw):
         calls[0] += 1
         return real(*a, **kw)
-    hopper.launch_dh_pass = counted
+    setattr(mod, name, counted)
     try:
         yield calls
     finally:
-        hopper.launch_dh_pass = real
+        setattr(mod, name, real)
 
 
 @register
@@ -196,6 +198,50 @@ def chunk_backward_reverse_sm90(device):
                               0.0 if ran else float("inf"), 0.0))
         for label, a, b in zip(("gs", "dvn", "dh0"), res[1], res[0]):
             out.append(Result("chunk_backward", f"sm90 reverse vs portable {name} {label}", rel_err(a, b), 5e-3))
+    return out
+
+
+@register
+def chunk_backward_parts_sm90(device):
+    """Hopper only: the Gluon parts kernel (gdn.kernels.chunk.backward.hopper_parts) against the portable parts A
+    and B on the same inputs: every gradient of ``chunk_gated_delta_rule_bwd`` with ``chunk_bwd.parts_sm90`` on and
+    off (nothing else differs); a ragged varlen batch (lengths 0, 1, 63, 65, 300, 129, 64) with initial state,
+    end-state gradient and L2 norm, with gates near 1 and with the default gates; a batch with T = 300 (its last
+    chunk's rows past T are the next batch row's) without the L2 norm; K = V = 64 in fp16; GVA (HV = 2 H). Also that
+    the Gluon kernel ran (and not when switched off)."""
+    if not _sm90_reverse_available(device):
+        return []
+    from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
+    from ..kernels.tuning import override
+
+    s = _shapes(device)
+    H, HV = s["H"], s["HV"]
+    out = []
+    for name, varlen, l2, D, dt, g_range in (
+            ("varlen l2 gates near 1", True, True, 128, torch.bfloat16, (-0.02, -0.001)),
+            ("varlen l2", True, True, 128, torch.bfloat16, (-1.0, -0.01)),
+            ("batch T=300", False, False, 128, torch.bfloat16, (-0.1, -0.01)),
+            ("K=V=64 fp16 varlen l2", True, True, 64, torch.float16, (-0.1, -0.01))):
+        if varlen:
+            cu = torch.tensor([0] + torch.tensor(s["lens"] + [64]).cumsum(0).tolist(), dtype=torch.int32,
+                              device=device)
+            B, T, N = 1, int(cu[-1]), len(s["lens"]) + 1
+        else:
+            cu, B, T, N = None, s["B"], s["T"], s["B"]
+        x = make_inputs(B, T, H, HV, D, D, dtype=dt, device=device, g_range=g_range)
+        h0 = torch.randn(N, HV, D, D, device=device)
+        dht = torch.randn(N, HV, D, D, device=device)
+        do = torch.randn(B, T, HV, D, device=device).to(dt)
+        res = []
+        for on in (True, False):   # Gluon first: its scratch (dq / dk per value head) cannot be the portable run's
+            with override("chunk_bwd", parts_sm90=on), _counting_sm90_launches("hopper_parts", "launch_parts") as c:
+                res.append(chunk_gated_delta_rule_bwd(x.q, x.k, x.v, x.g, x.beta, D ** -0.5, h0, cu, 64, l2, do,
+                                                      dht)[:5])
+            ran = c[0] == (1 if on else 0)
+            out.append(Result("chunk_backward", f"sm90 parts {name}: Gluon {'ran' if on else 'off'}",
+                              0.0 if ran else float("inf"), 0.0))
+        for label, a, b in zip(_NAMES, res[0], res[1]):
+            out.append(Result("chunk_backward", f"sm90 parts vs portable {name} {label}", rel_err(a, b), 5e-3))
     return out
 
 

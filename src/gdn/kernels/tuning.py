@@ -135,6 +135,9 @@ class ChunkBackward:
     dh_sm90: bool = True
     dh_sm90_stages: int = 2
     dh_sm90_plain_chunks: int = 512
+    # sm_90: parts A and B of the per-chunk gradients as one Gluon kernel (gdn.kernels.chunk.backward.hopper_parts:
+    # every tile of a (chunk, value head) by TMA once, asynchronous wgmma) where it supports the launch
+    parts_sm90: bool = True
 
 
 @dataclass(frozen=True)

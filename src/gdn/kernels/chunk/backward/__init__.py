@@ -52,7 +52,8 @@ Backward, derived by hand and checked piece by piece against float64 autograd
 
 Kernels, after the forward kept Ainv, the gate cumsum and the L2 scalings (only W / U are recomputed, then the
 forward states H and v_new on a side stream, concurrently with 1-2). Files: ``dv_local.py`` (1), ``reverse.py``
-and ``hopper.py`` (2), ``parts.py`` (3-5), ``common.py``; tuning: the ``chunk_bwd`` table of :mod:`gdn.kernels.tuning`.
+and ``hopper.py`` (2), ``parts.py`` (3-5), ``hopper_parts.py`` (3-4 on sm_90), ``common.py``; tuning: the
+``chunk_bwd`` table of :mod:`gdn.kernels.tuning`.
 
 1. ``chunk_bwd_dv_local_kernel`` (parallel, chunk x value head): ``dv_local = (K Q^T * Gam^T) dO`` into ``dvn``.
 2. ``chunk_bwd_dh_kernel`` (sequential in chunks; sequences x value heads x V blocks, long sequences in segments
@@ -62,6 +63,8 @@ and ``hopper.py`` (2), ``parts.py`` (3-5), ``common.py``; tuning: the ``chunk_bw
 3. ``chunk_bwd_out_kernel`` (parallel, chunk x value head x side): side 0 dQ per value head, side 1 dK per value
    head (state, attention and WY-through-H terms on one accumulator); both over V tiles.
 4. ``chunk_bwd_wy_kernel`` (parallel, chunk x value head): dv, dbeta, dg and the remaining dK terms, over V tiles.
+   On sm_90, 3 and 4 are one Gluon kernel (``hopper_parts.py``: one CTA per chunk x value head, every tile by TMA
+   once, asynchronous wgmma).
 5. ``chunk_bwd_qk_kernel`` (parallel, chunk x q/k head): the GVA sum over value heads (deterministic, no atomics)
    and the L2-norm backward.
 

@@ -13,6 +13,7 @@ from ... import tuning
 from ..plan import prepare_chunk_indices
 from .common import _acc_dtype, _chunk_gates, _chunk_rows, _dot_precision, _mm_dtype, _strides, _v_tile
 from ...launch import launch
+from . import hopper_parts
 
 
 @triton.jit
@@ -267,10 +268,11 @@ def chunk_bwd_qk_kernel(
 def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_seqlens, chunk_size,
                    use_qk_l2norm_in_kernel, *, g_dtype=None, chunk_index=None, rq=None, rk=None):
     """Parallel per-chunk gradients: kernel A (output/state terms, per value head and side), kernel B (WY terms:
-    dv, dbeta, dg, dk terms), then the q/k kernel (GVA sum, L2-norm backward). Returns ``(dq, dk, dv, dbeta, dg)`` in
-    the dtypes of q, k, v, beta and ``g_dtype`` (default g_cum's). ``v_new``'s dtype is the dot operand dtype.
-    Scratch: dQ per value head [B, T, HV, K] (dot dtype), dK per value head (fp32), four
-    dg / dbeta slots [4, B, T, HV] (fp32)."""
+    dv, dbeta, dg, dk terms) -- on sm_90 both as one Gluon kernel (``hopper_parts``, ``chunk_bwd.parts_sm90``) --,
+    then the q/k kernel (GVA sum, L2-norm backward). Returns ``(dq, dk, dv, dbeta, dg)`` in the dtypes of q, k, v,
+    beta and ``g_dtype`` (default g_cum's). ``v_new``'s dtype is the dot operand dtype. Scratch: dQ per value head
+    [B, T, HV, K] (dot dtype), dK per value head (fp32), and for the portable pair four dg / dbeta slots
+    [4, B, T, HV] (fp32)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     C = int(chunk_size)
@@ -292,24 +294,28 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq_v = torch.empty(B, T, HV, K, dtype=v_new.dtype, device=dev)
     dk_v = torch.empty(B, T, HV, K, dtype=acc_t, device=dev)
-    dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
     g_cum = g_cum.contiguous()
     BK = max(16, next_pow2(K))
     meta = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None, L2NORM=l2, ACC=_acc_dtype(q.dtype))
-    mm = dict(V=V, BV=_v_tile(V, dev), MM=_mm_dtype(v_new.dtype), PREC=_dot_precision(v_new.dtype, dev))
     cfg = tuning.chunk_bwd(dev)
-    nw, ns = int(cfg.a_warps), int(cfg.a_stages)
     beta = beta.contiguous()
     ainv = ainv.contiguous()
-    launch(chunk_bwd_out_kernel, (NT, HV, 2),
-        q, k, g_cum, v_new, do, h, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, cu_seqlens, ci.chunk_indices,
-        float(scale), T, B * T * HV, *_strides(q), *_strides(k), *_strides(do), num_warps=nw, num_stages=ns,
-        **meta, **mm)
-    nw, ns = int(cfg.b_warps), int(cfg.b_stages)
-    launch(chunk_bwd_wy_kernel, (NT, HV),
-        k, v, g_cum, beta, ainv, v_new, dvn, rk, dv, dbeta, dg, dk_v, dg_part,
-        cu_seqlens, ci.chunk_indices, T, B * T * HV, *_strides(k), *_strides(v), num_warps=nw, num_stages=ns,
-        **meta, **mm)
+    if cfg.parts_sm90 and hopper_parts.supported(q, k, v, do, v_new, dvn, ainv, h, gs, K, V):
+        hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v, dk_v, dv, dbeta,
+                                  dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2)
+    else:
+        dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
+        mm = dict(V=V, BV=_v_tile(V, dev), MM=_mm_dtype(v_new.dtype), PREC=_dot_precision(v_new.dtype, dev))
+        nw, ns = int(cfg.a_warps), int(cfg.a_stages)
+        launch(chunk_bwd_out_kernel, (NT, HV, 2),
+            q, k, g_cum, v_new, do, h, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, cu_seqlens,
+            ci.chunk_indices, float(scale), T, B * T * HV, *_strides(q), *_strides(k), *_strides(do),
+            num_warps=nw, num_stages=ns, **meta, **mm)
+        nw, ns = int(cfg.b_warps), int(cfg.b_stages)
+        launch(chunk_bwd_wy_kernel, (NT, HV),
+            k, v, g_cum, beta, ainv, v_new, dvn, rk, dv, dbeta, dg, dk_v, dg_part,
+            cu_seqlens, ci.chunk_indices, T, B * T * HV, *_strides(k), *_strides(v), num_warps=nw, num_stages=ns,
+            **meta, **mm)
     launch(chunk_bwd_qk_kernel, (NT, H),
         q, k, rq, rk, dq_v, dk_v, dq, dk, cu_seqlens, ci.chunk_indices, float(scale), T, *_strides(q),
         *_strides(k), num_warps=4, **meta)

@@ -1,0 +1,290 @@
+"""Hopper (sm_90) form of the backward's parallel per-chunk gradients: parts A and B of ``parts.py``
+(``chunk_bwd_out_kernel`` + ``chunk_bwd_wy_kernel``) in one Gluon kernel, one CTA (8 warps) per (chunk, value head).
+
+Every operand tile of the chunk comes by TMA into shared memory once (q, k [64, K]; dO, v_new, dVn, v [64, V];
+Ainv [64, 64]; H and Gm [K, V]: ~170 KB at K = V = 128), in two groups so that the dQ side computes while the
+second group lands; the products are asynchronous warpgroup MMAs on shared-memory operands (computed operands go
+through small shared-memory tiles); the two warpgroups split every product's N columns. The portable kernels read
+most of these tiles twice (two sides, two kernels) with synchronous loads in front of each product.
+
+Math (notation of :mod:`gdn.kernels.chunk.backward`, ``Gam`` causal, ``SL`` strictly lower)::
+
+    dPm = (dO Vn^T) * Gam,  dQ = diag(e^c) dO H^T + (dPm diag(r_k)) k                    -> dq_v (per value head)
+    dVb = Ainv^T dVn,  dv = diag(b) dVb,  db = rowsum(dVb * v) - e^c r_k k.(dVb H^T) - rowsum(dA~ * K K^T)
+    dK  = -diag(b e^c) dVb H^T + diag(e^(cL - c)) Vn Gm^T + ((Vn dO^T) * Gam^T diag(r_q scale)) q
+          - ((SL * dVb Vn^T * Gam) diag(b) + (SL^T * Vn dVn^T Ainv * Gam^T) diag(b)) diag(r_k) k  -> dk_v (fp32)
+    dg  = the reverse cumulative sum of the gate terms of both (``parts.py``), + e^cL <H, Gm> at every row
+
+Outputs and layouts exactly as the portable pair's: dq_v [B*T, HV, K] (operand dtype), dk_v [B*T, HV, K] fp32 (the
+q/k kernel sums value heads and applies the L2-norm backward), dv [B*T, HV, V], dbeta, dg [B*T, HV]. Inputs: q, k,
+v, dO as 2-D views [B*T, heads*D] (strided rows allowed); v_new, dVn [B*T, HV*V] and Ainv [B*T, HV*64] contiguous;
+H (``h``) and Gm (``gs``) [NT*HV*K, V]. Rows of a partial chunk past its sequence are zeroed in shared memory before
+use (they hold the next sequence's tokens), as the portable kernels load zeros there.
+"""
+from __future__ import annotations
+
+import torch
+
+from ... import _gluon_api as G
+from ...launch import launch
+from ...tuning import capability
+from ..hopper import CHUNK, _GL_DT, _desc, _rows2d
+
+if G.AVAILABLE:
+    from ..hopper import cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma_load, warpgroup_mma, \
+        warpgroup_mma_wait
+
+    @gluon.jit
+    def _zero_rows(buf, nv, R: gl.constexpr, D: gl.constexpr, COLS_TOO: gl.constexpr, layout: gl.constexpr):
+        """Zero rows >= nv (and columns >= nv when COLS_TOO) of a [R, D] shared-memory tile."""
+        x = buf.load(layout)
+        r = gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+        keep = (r < nv)[:, None]
+        if COLS_TOO:
+            cc = gl.arange(0, D, layout=gl.SliceLayout(0, layout))
+            keep = keep & (cc < nv)[None, :]
+        buf.store(gl.where(keep, x, gl.zeros_like(x)))
+
+    @gluon.jit
+    def _row_vecs(gcum, beta, rq_in, rk_in, row0, nv, i_h, i_hv, scale, layout: gl.constexpr,
+                  H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr):
+        """Per-row vectors of the chunk in ``layout`` (a slice layout): (c, b, r_k, r_q scale, valid mask); padding
+        rows carry c = cL and b = 0."""
+        to = gl.arange(0, 64, layout=layout)
+        m = to < nv
+        tok = (row0 + to).to(gl.int64)
+        g = gl.load(gcum + tok * HV + i_hv, mask=m, other=0.0)
+        g_last = gl.load(gcum + (row0 + nv - 1).to(gl.int64) * HV + i_hv)
+        gc = gl.where(m, g, g_last)
+        b = gl.load(beta + tok * HV + i_hv, mask=m, other=0.0).to(gl.float32)
+        if USE_L2:
+            rk = gl.load(rk_in + tok * H + i_h, mask=m, other=0.0)
+            sq = gl.load(rq_in + tok * H + i_h, mask=m, other=0.0) * scale
+        else:
+            rk = gl.where(m, 1.0, 1.0)
+            sq = gl.where(m, scale, scale)
+        return gc, b, rk, sq, m
+
+    @gluon.jit
+    def _bwd_parts_sm90_kernel(
+        q_desc, k_desc, do_desc, vn_desc, dvn_desc, v_desc, ai_desc, h_desc, gs_desc,
+        gcum, beta, rq_in, rk_in, dq_v, dk_v, dv, dbeta, dg, cu_seqlens, chunk_indices, scale, T,
+        H: gl.constexpr, HV: gl.constexpr, D: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """Parts A and B of one (chunk, value head) (module docstring); D = K = V."""
+        C: gl.constexpr = 64
+        i_t = gl.program_id(0)
+        i_hv = gl.program_id(1)
+        i_h = i_hv // (HV // H)
+        if IS_VARLEN:
+            n = gl.load(chunk_indices + 2 * i_t)
+            c = gl.load(chunk_indices + 2 * i_t + 1)
+            bos = gl.load(cu_seqlens + n)
+            eos = gl.load(cu_seqlens + n + 1)
+        else:
+            NTs = gl.cdiv(T, C)
+            n = i_t // NTs
+            c = i_t % NTs
+            bos = n * T
+            eos = bos + T
+        row0 = bos + c * C                       # flat token row of the chunk's first row
+        nv = gl.minimum(eos - row0, C)           # valid rows
+
+        dt: gl.constexpr = q_desc.dtype
+        q_s = gl.allocate_shared_memory(dt, [C, D], q_desc.layout)
+        k_s = gl.allocate_shared_memory(dt, [C, D], k_desc.layout)
+        do_s = gl.allocate_shared_memory(dt, [C, D], do_desc.layout)
+        vn_s = gl.allocate_shared_memory(dt, [C, D], vn_desc.layout)
+        h_s = gl.allocate_shared_memory(dt, [D, D], h_desc.layout)
+        dvn_s = gl.allocate_shared_memory(dt, [C, D], dvn_desc.layout)
+        v_s = gl.allocate_shared_memory(dt, [C, D], v_desc.layout)
+        ai_s = gl.allocate_shared_memory(dt, [C, C], ai_desc.layout)
+        gs_s = gl.allocate_shared_memory(dt, [D, D], gs_desc.layout)
+        lay_cd: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, D], dt)
+        lay_cc: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], dt)
+        x_s = gl.allocate_shared_memory(dt, [C, D], lay_cd)     # dVb, then diag(e^(cL - c)) Vn
+        a_s = gl.allocate_shared_memory(dt, [C, C], lay_cc)     # dPm diag(r_k), then Vn dVn^T
+        p_s = gl.allocate_shared_memory(dt, [C, C], lay_cc)     # (Vn dO^T) * Gam^T diag(r_q scale)
+        m_s = gl.allocate_shared_memory(dt, [C, C], lay_cc)     # -(M + M^T) diag(r_k)
+        bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(bars.index(0), count=1)
+        mbarrier.init(bars.index(1), count=1)
+
+        eb: gl.constexpr = dt.primitive_bitwidth // 8
+        hrow = (i_t * HV + i_hv) * D
+        mbarrier.expect(bars.index(0), (4 * C * D + D * D) * eb)
+        tma_load(q_desc, [row0, i_h * D], bars.index(0), q_s)
+        tma_load(k_desc, [row0, i_h * D], bars.index(0), k_s)
+        tma_load(do_desc, [row0, i_hv * D], bars.index(0), do_s)
+        tma_load(vn_desc, [row0, i_hv * D], bars.index(0), vn_s)
+        tma_load(h_desc, [hrow, 0], bars.index(0), h_s)
+        mbarrier.expect(bars.index(1), (2 * C * D + C * C + D * D) * eb)
+        tma_load(dvn_desc, [row0, i_hv * D], bars.index(1), dvn_s)
+        tma_load(v_desc, [row0, i_hv * D], bars.index(1), v_s)
+        tma_load(ai_desc, [row0, i_hv * C], bars.index(1), ai_s)
+        tma_load(gs_desc, [hrow, 0], bars.index(1), gs_s)
+
+        LC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+        LD: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                     instr_shape=[16, D // 2, 16])
+        BL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+        rc: gl.constexpr = gl.SliceLayout(1, LC)
+        cc: gl.constexpr = gl.SliceLayout(0, LC)
+        rd: gl.constexpr = gl.SliceLayout(1, LD)
+        gc_r, b_r, rk_r, sq_r, m_r = _row_vecs(gcum, beta, rq_in, rk_in, row0, nv, i_h, i_hv, scale, rc,
+                                               H, HV, USE_L2)
+        gc_c, b_c, rk_c, sq_c, m_c = _row_vecs(gcum, beta, rq_in, rk_in, row0, nv, i_h, i_hv, scale, cc,
+                                               H, HV, USE_L2)
+        gc_d, b_d, rk_d, sq_d, m_d = _row_vecs(gcum, beta, rq_in, rk_in, row0, nv, i_h, i_hv, scale, rd,
+                                               H, HV, USE_L2)
+        g_last = gl.load(gcum + (row0 + nv - 1).to(gl.int64) * HV + i_hv)
+        o_r = gl.arange(0, C, layout=rc)
+        o_c = gl.arange(0, C, layout=cc)
+        causal = o_r[:, None] >= o_c[None, :]
+        strict = o_r[:, None] > o_c[None, :]
+        dgc = gc_r[:, None] - gc_c[None, :]
+        gam = gl.where(causal, gl.exp(gl.where(causal, dgc, 0.0)), 0.0)             # Gam [t, s]
+        gamt = gl.where(causal, 0.0, gl.exp(gl.where(causal, 0.0, -dgc)))           # Gam^T strictly upper
+        o_d = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
+        tok_d = (row0 + gl.arange(0, C, layout=rd)).to(gl.int64)
+        m_dd = m_d[:, None] & (o_d[None, :] < D)
+        zc = gl.zeros([C, C], gl.float32, layout=LC)
+        zd = gl.zeros([C, D], gl.float32, layout=LD)
+
+        # ---------------- group 0: q, k, dO, Vn, H -> dQ (side 0 of part A)
+        mbarrier.wait(bars.index(0), 0)
+        if nv < C:
+            _zero_rows(q_s, nv, C, D, False, BL)
+            _zero_rows(k_s, nv, C, D, False, BL)
+            _zero_rows(do_s, nv, C, D, False, BL)
+            _zero_rows(vn_s, nv, C, D, False, BL)
+            fence_async_shared()
+            cta_barrier()
+        t_dpm = warpgroup_mma(do_s, vn_s.permute((1, 0)), zc, use_acc=False, is_async=True)     # dO Vn^T
+        t_qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zc, use_acc=False, is_async=True)        # q k^T
+        t_dqs = warpgroup_mma(do_s, h_s.permute((1, 0)), zd, use_acc=False, is_async=True)      # dO H^T
+        t_pt = warpgroup_mma(vn_s, do_s.permute((1, 0)), zc, use_acc=False, is_async=True)      # Vn dO^T
+        t_kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zc, use_acc=False, is_async=True)        # k k^T
+        dpm, qk = warpgroup_mma_wait(3, deps=[t_dpm, t_qk])
+        dpm = dpm * gam
+        pm = gl.where(strict, dpm * qk * sq_r[:, None] * rk_c[None, :], 0.0)     # the diagonal cancels exactly
+        dc0 = gl.sum(pm, axis=1) - gl.convert_layout(gl.sum(pm, axis=0), rc)
+        a_s.store((dpm * rk_c[None, :]).to(dt))
+        fence_async_shared()
+        cta_barrier()
+        dqs, dpmt, kk = warpgroup_mma_wait(0, deps=[t_dqs, t_pt, t_kk])
+        dqs = dqs * gl.exp(gc_d)[:, None]
+        q_d = q_s.load(LD).to(gl.float32)
+        dc0 += gl.convert_layout(gl.sum(q_d * dqs, axis=1) * sq_d, rc)
+        t_dq = warpgroup_mma(a_s, k_s, dqs, is_async=True)                                      # + dPm' k
+        # (Vn dO^T) * Gam^T diag(r_q scale): Gam^T[s, t] = e^(c_t - c_s) for t >= s
+        gamt_d = gl.where(strict, 0.0, gl.exp(gl.where(strict, 0.0, -dgc)))
+        p_s.store((dpmt * gamt_d * sq_c[None, :]).to(dt))
+
+        # ---------------- group 1: dVn, v, Ainv, Gm -> part B and side 1 of part A
+        mbarrier.wait(bars.index(1), 0)
+        if nv < C:
+            _zero_rows(dvn_s, nv, C, D, False, BL)
+            _zero_rows(v_s, nv, C, D, False, BL)
+            _zero_rows(ai_s, nv, C, C, True, BL)
+        fence_async_shared()
+        cta_barrier()
+        t_dvb = warpgroup_mma(ai_s.permute((1, 0)), dvn_s, zd, use_acc=False, is_async=True)     # Ainv^T dVn
+        t_vdv = warpgroup_mma(vn_s, dvn_s.permute((1, 0)), zc, use_acc=False, is_async=True)     # Vn dVn^T
+        # <H, Gm> while they run (32 rows at a time)
+        hgs = 0.0
+        for r in gl.static_range(0, D, 32):
+            hgs += gl.sum(gl.sum(h_s.slice(r, 32).load(BL).to(gl.float32) * gs_s.slice(r, 32).load(BL).to(gl.float32),
+                                 axis=1), axis=0)
+        dq = warpgroup_mma_wait(2, deps=[t_dq])
+        gl.store(dq_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dq.to(dq_v.dtype.element_ty), mask=m_dd)
+        dvb = warpgroup_mma_wait(1, deps=[t_dvb])
+        gl.store(dv + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], (dvb * b_d[:, None]).to(dv.dtype.element_ty),
+                 mask=m_dd)
+        db = gl.sum(dvb * v_s.load(LD).to(gl.float32), axis=1)
+        x_s.store(dvb.to(dt))
+        fence_async_shared()
+        cta_barrier()
+        t_acc = warpgroup_mma(x_s, h_s.permute((1, 0)), zd, use_acc=False, is_async=True)        # dVb H^T = -dKb
+        t_nda = warpgroup_mma(x_s, vn_s.permute((1, 0)), zc, use_acc=False, is_async=True)       # dVb Vn^T = -dA
+        vdv = warpgroup_mma_wait(2, deps=[t_vdv])
+        acc, nda = warpgroup_mma_wait(0, deps=[t_acc, t_nda])
+        cta_barrier()     # every warpgroup is done reading x_s and a_s
+        a_s.store(vdv.to(dt))
+        eg_d = gl.exp(gc_d)
+        fb_d = b_d * eg_d
+        k_d = k_s.load(LD).to(gl.float32)
+        kn = gl.sum(k_d * acc, axis=1)                                     # k.(-dKb)
+        kdkb = kn * rk_d * eg_d
+        acc = acc * (-fb_d)[:, None]
+        vn_d = vn_s.load(LD).to(gl.float32)
+        x_s.store((vn_d * gl.exp(g_last - gc_d)[:, None]).to(dt))
+        fence_async_shared()
+        cta_barrier()
+        t_ndat = warpgroup_mma(a_s, ai_s, zc, use_acc=False, is_async=True)                      # Vn dVn^T Ainv
+        t_acc = warpgroup_mma(x_s, gs_s.permute((1, 0)), acc, is_async=True)                     # + dKs
+        # C x C terms of part B: A = SL * diag(b) (Gam * K K^T) with kn = r_k k
+        dagk = gl.where(strict, nda * gam * kk * (rk_r[:, None] * rk_c[None, :]), 0.0)
+        db -= gl.convert_layout(gl.sum(dagk, axis=1), rd)
+        daa = dagk * b_r[:, None]
+        dcb = gl.convert_layout(gl.sum(daa, axis=0), rc) - gl.sum(daa, axis=1)
+        msym = gl.where(strict, nda * gam * b_r[:, None], 0.0)
+        ndat = warpgroup_mma_wait(1, deps=[t_ndat])
+        msym = (msym + ndat * gamt * b_c[None, :]) * rk_c[None, :]
+        m_s.store((-msym).to(dt))
+        fence_async_shared()
+        cta_barrier()
+        acc = warpgroup_mma_wait(0, deps=[t_acc])
+        kdks = (gl.sum(k_d * acc, axis=1) + fb_d * kn) * rk_d
+        t_acc = warpgroup_mma(p_s, q_s, acc, is_async=True)                                      # + dPmT q
+        t_acc = warpgroup_mma(m_s, k_s, t_acc, is_async=True)                                    # - (M + M^T) kn
+        # gate and beta gradients while the last products run: dg_t = sum_{s >= t} (dc0 + dcb - b kdkb)_s
+        # + sum_{s < t} k_s.dKs_s + e^cL <H, Gm> (the cumulative sums as masked row sums of one C x C tile)
+        rev = gl.convert_layout(dc0 + dcb - gl.convert_layout(kdkb, rc) * b_r, cc)
+        fwd = gl.convert_layout(kdks, cc)
+        dgv = gl.sum(gl.where(strict, fwd[None, :], rev[None, :]), axis=1)
+        dgv += hgs * gl.exp(g_last)
+        db_r = gl.convert_layout(db - kdkb, rc)
+        tok_r = (row0 + o_r).to(gl.int64)
+        gl.store(dg + tok_r * HV + i_hv, dgv.to(dg.dtype.element_ty), mask=m_r)
+        gl.store(dbeta + tok_r * HV + i_hv, db_r.to(dbeta.dtype.element_ty), mask=m_r)
+        dk = warpgroup_mma_wait(0, deps=[t_acc])
+        gl.store(dk_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dk, mask=m_dd)
+        mbarrier.invalidate(bars.index(0))
+        mbarrier.invalidate(bars.index(1))
+
+
+def supported(q, k, v, do, v_new, dvn, ainv, h, gs, K: int, V: int) -> bool:
+    """Whether the sm_90 parts kernel can take these arguments (else the portable pair runs): Gluon, sm_90, K = V in
+    (64, 128), every operand of one 16-bit dtype (q, k, v, dO, v_new, dVn, Ainv, H, Gm), q / k / v / dO as 2-D TMA
+    views, the scratch tensors contiguous."""
+    if not G.AVAILABLE or K != V or K not in (64, 128) or capability(k.device) != "sm_90":
+        return False
+    dt = k.dtype
+    if dt not in _GL_DT or any(x.dtype != dt for x in (q, v, do, v_new, dvn, ainv, h, gs)):
+        return False
+    if ainv.shape[-1] != CHUNK or not all(x.is_contiguous() for x in (v_new, dvn, ainv, h, gs)):
+        return False
+    return all(_rows2d(x) is not None for x in (q, k, v, do))
+
+
+def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v, dk_v, dv, dbeta, dg, cu_seqlens,
+                 chunk_indices, NT, scale, *, use_l2):
+    """Launch the sm_90 parts kernel over (NT, HV) (``supported`` must have said yes); tensors as
+    ``parts.chunk_bwd_main``'s (beta contiguous [B, T, HV])."""
+    B, T, H, K = q.shape
+    HV = v.shape[2]
+    dn = _GL_DT[k.dtype]
+    row = lambda x: _desc(_rows2d(x), (CHUNK, K), dn)   # noqa: E731
+    flat = lambda x, w: _desc(x.view(B * T, -1), (CHUNK, w), dn)   # noqa: E731
+    ph = g_cum
+    launch(_bwd_parts_sm90_kernel, (NT, HV),
+        row(q), row(k), row(do), flat(v_new, K), flat(dvn, K), row(v), flat(ainv, CHUNK),
+        _desc(h.view(-1, K), (K, K), dn), _desc(gs.view(-1, K), (K, K), dn),
+        g_cum, beta, rq if rq is not None else ph, rk if rk is not None else ph, dq_v, dk_v, dv, dbeta, dg,
+        cu_seqlens if cu_seqlens is not None else chunk_indices, chunk_indices, float(scale), T,
+        H=H, HV=HV, D=K, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, num_warps=8)
+
+
+__all__ = ["supported", "launch_parts"]
