@@ -46,6 +46,25 @@ if G.AVAILABLE:
         buf.store(gl.where(keep, x, gl.zeros_like(x)))
 
     @gluon.jit
+    def _gam(g_r, g_c, o_r, o_c, STRICT: gl.constexpr, TRANS: gl.constexpr):
+        """Gam of a C x C tile, ``e^(c_t - c_s)`` at row t, column s where t >= s (STRICT: t > s), else 0; TRANS:
+        its transpose (``e^(c_s - c_t)`` at row t, column s where s >= t). Row vectors in the tile's row slice
+        layout, column vectors in its column slice layout."""
+        if TRANS:
+            lo = o_c[None, :]
+            hi = o_r[:, None]
+            d = g_c[None, :] - g_r[:, None]
+        else:
+            lo = o_r[:, None]
+            hi = o_c[None, :]
+            d = g_r[:, None] - g_c[None, :]
+        if STRICT:
+            m = lo > hi
+        else:
+            m = lo >= hi
+        return gl.where(m, gl.exp(gl.where(m, d, 0.0)), 0.0)
+
+    @gluon.jit
     def _row_vecs(gcum, beta, rq_in, rk_in, row0, nv, i_h, i_hv, scale, layout: gl.constexpr,
                   H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr):
         """Per-row vectors of the chunk in ``layout`` (a slice layout): (c, b, r_k, r_q scale, valid mask); padding
@@ -141,11 +160,6 @@ if G.AVAILABLE:
         g_last = gl.load(gcum + (row0 + nv - 1).to(gl.int64) * HV + i_hv)
         o_r = gl.arange(0, C, layout=rc)
         o_c = gl.arange(0, C, layout=cc)
-        causal = o_r[:, None] >= o_c[None, :]
-        strict = o_r[:, None] > o_c[None, :]
-        dgc = gc_r[:, None] - gc_c[None, :]
-        gam = gl.where(causal, gl.exp(gl.where(causal, dgc, 0.0)), 0.0)             # Gam [t, s]
-        gamt = gl.where(causal, 0.0, gl.exp(gl.where(causal, 0.0, -dgc)))           # Gam^T strictly upper
         o_d = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
         tok_d = (row0 + gl.arange(0, C, layout=rd)).to(gl.int64)
         m_dd = m_d[:, None] & (o_d[None, :] < D)
@@ -164,23 +178,21 @@ if G.AVAILABLE:
         t_dpm = warpgroup_mma(do_s, vn_s.permute((1, 0)), zc, use_acc=False, is_async=True)     # dO Vn^T
         t_qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zc, use_acc=False, is_async=True)        # q k^T
         t_dqs = warpgroup_mma(do_s, h_s.permute((1, 0)), zd, use_acc=False, is_async=True)      # dO H^T
+        dpm, qk = warpgroup_mma_wait(1, deps=[t_dpm, t_qk])
         t_pt = warpgroup_mma(vn_s, do_s.permute((1, 0)), zc, use_acc=False, is_async=True)      # Vn dO^T
-        t_kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zc, use_acc=False, is_async=True)        # k k^T
-        dpm, qk = warpgroup_mma_wait(3, deps=[t_dpm, t_qk])
-        dpm = dpm * gam
-        pm = gl.where(strict, dpm * qk * sq_r[:, None] * rk_c[None, :], 0.0)     # the diagonal cancels exactly
+        dpm = dpm * _gam(gc_r, gc_c, o_r, o_c, False, False)
+        pm = gl.where(o_r[:, None] > o_c[None, :], dpm * qk * sq_r[:, None] * rk_c[None, :], 0.0)     # the diagonal cancels exactly
         dc0 = gl.sum(pm, axis=1) - gl.convert_layout(gl.sum(pm, axis=0), rc)
         a_s.store((dpm * rk_c[None, :]).to(dt))
         fence_async_shared()
         cta_barrier()
-        dqs, dpmt, kk = warpgroup_mma_wait(0, deps=[t_dqs, t_pt, t_kk])
+        dqs, dpmt = warpgroup_mma_wait(0, deps=[t_dqs, t_pt])
         dqs = dqs * gl.exp(gc_d)[:, None]
         q_d = q_s.load(LD).to(gl.float32)
         dc0 += gl.convert_layout(gl.sum(q_d * dqs, axis=1) * sq_d, rc)
         t_dq = warpgroup_mma(a_s, k_s, dqs, is_async=True)                                      # + dPm' k
         # (Vn dO^T) * Gam^T diag(r_q scale): Gam^T[s, t] = e^(c_t - c_s) for t >= s
-        gamt_d = gl.where(strict, 0.0, gl.exp(gl.where(strict, 0.0, -dgc)))
-        p_s.store((dpmt * gamt_d * sq_c[None, :]).to(dt))
+        p_s.store((dpmt * _gam(gc_r, gc_c, o_r, o_c, False, True) * sq_c[None, :]).to(dt))
 
         # ---------------- group 1: dVn, v, Ainv, Gm -> part B and side 1 of part A
         mbarrier.wait(bars.index(1), 0)
@@ -214,36 +226,35 @@ if G.AVAILABLE:
         a_s.store(vdv.to(dt))
         eg_d = gl.exp(gc_d)
         fb_d = b_d * eg_d
-        k_d = k_s.load(LD).to(gl.float32)
-        kn = gl.sum(k_d * acc, axis=1)                                     # k.(-dKb)
+        kn = gl.sum(k_s.load(LD).to(gl.float32) * acc, axis=1)                                     # k.(-dKb)
         kdkb = kn * rk_d * eg_d
         acc = acc * (-fb_d)[:, None]
-        vn_d = vn_s.load(LD).to(gl.float32)
-        x_s.store((vn_d * gl.exp(g_last - gc_d)[:, None]).to(dt))
+        x_s.store((vn_s.load(LD).to(gl.float32) * gl.exp(g_last - gc_d)[:, None]).to(dt))
         fence_async_shared()
         cta_barrier()
         t_ndat = warpgroup_mma(a_s, ai_s, zc, use_acc=False, is_async=True)                      # Vn dVn^T Ainv
+        t_kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zc, use_acc=False, is_async=True)        # k k^T
         t_acc = warpgroup_mma(x_s, gs_s.permute((1, 0)), acc, is_async=True)                     # + dKs
         # C x C terms of part B: A = SL * diag(b) (Gam * K K^T) with kn = r_k k
-        dagk = gl.where(strict, nda * gam * kk * (rk_r[:, None] * rk_c[None, :]), 0.0)
+        nda = nda * _gam(gc_r, gc_c, o_r, o_c, True, False)
+        ndat, kk = warpgroup_mma_wait(1, deps=[t_ndat, t_kk])
+        dagk = nda * kk * (rk_r[:, None] * rk_c[None, :])
         db -= gl.convert_layout(gl.sum(dagk, axis=1), rd)
         daa = dagk * b_r[:, None]
         dcb = gl.convert_layout(gl.sum(daa, axis=0), rc) - gl.sum(daa, axis=1)
-        msym = gl.where(strict, nda * gam * b_r[:, None], 0.0)
-        ndat = warpgroup_mma_wait(1, deps=[t_ndat])
-        msym = (msym + ndat * gamt * b_c[None, :]) * rk_c[None, :]
+        msym = (nda * b_r[:, None] + ndat * _gam(gc_r, gc_c, o_r, o_c, True, True) * b_c[None, :]) * rk_c[None, :]
         m_s.store((-msym).to(dt))
         fence_async_shared()
         cta_barrier()
         acc = warpgroup_mma_wait(0, deps=[t_acc])
-        kdks = (gl.sum(k_d * acc, axis=1) + fb_d * kn) * rk_d
+        kdks = (gl.sum(k_s.load(LD).to(gl.float32) * acc, axis=1) + fb_d * kn) * rk_d
         t_acc = warpgroup_mma(p_s, q_s, acc, is_async=True)                                      # + dPmT q
         t_acc = warpgroup_mma(m_s, k_s, t_acc, is_async=True)                                    # - (M + M^T) kn
         # gate and beta gradients while the last products run: dg_t = sum_{s >= t} (dc0 + dcb - b kdkb)_s
         # + sum_{s < t} k_s.dKs_s + e^cL <H, Gm> (the cumulative sums as masked row sums of one C x C tile)
         rev = gl.convert_layout(dc0 + dcb - gl.convert_layout(kdkb, rc) * b_r, cc)
         fwd = gl.convert_layout(kdks, cc)
-        dgv = gl.sum(gl.where(strict, fwd[None, :], rev[None, :]), axis=1)
+        dgv = gl.sum(gl.where(o_r[:, None] > o_c[None, :], fwd[None, :], rev[None, :]), axis=1)
         dgv += hgs * gl.exp(g_last)
         db_r = gl.convert_layout(db - kdkb, rc)
         tok_r = (row0 + o_r).to(gl.int64)
