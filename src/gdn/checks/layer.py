@@ -46,22 +46,28 @@ def layer_forward(device):
 
 @register
 def layer_backward(device):
+    """Every parameter's gradient and dx of the block against float64 autograd of the reference block (same
+    weights), fp32 and bf16 (bf16: the 16-bit chunked backward, on sm_90 its Gluon kernels); the worst one is
+    reported."""
     c = _cfg(device)
-    layer = _layer(c, device)
-    x = torch.randn(c["B"], c["T"], c["hidden"], device=device, requires_grad=True)
-    dy = torch.randn(c["B"], c["T"], c["hidden"], device=device)
-    layer(x).backward(dy)
-    ref_layer = _layer(c, "cpu")
-    ref_layer.load_state_dict({k: v.cpu() for k, v in layer.state_dict().items()})
-    x64 = x.detach().cpu().double().requires_grad_()
-    y_ref, _, _ = gated_deltanet_ref(ref_layer, x64)
-    y_ref.backward(dy.cpu().double())
-    worst, name = rel_err(x.grad, x64.grad), "dx"
-    for (n, p), (_, pr) in zip(layer.named_parameters(), ref_layer.named_parameters()):
-        e = rel_err(p.grad, pr.grad) if p.grad is not None else float("inf")
-        if e > worst:
-            worst, name = e, n
-    return [Result("layer", "backward fp32 (worst grad)", worst, 1e-4, note=f"worst: {name}")]
+    out = []
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        layer = _layer(c, device, dtype=dtype)
+        x = torch.randn(c["B"], c["T"], c["hidden"], device=device).to(dtype).requires_grad_()
+        dy = torch.randn(c["B"], c["T"], c["hidden"], device=device).to(dtype)
+        layer(x).backward(dy)
+        ref_layer = _layer(c, "cpu").double()
+        ref_layer.load_state_dict({k: v.detach().cpu().double() for k, v in layer.state_dict().items()})
+        x64 = x.detach().cpu().double().requires_grad_()
+        y_ref, _, _ = gated_deltanet_ref(ref_layer, x64)
+        y_ref.backward(dy.cpu().double())
+        worst, name = rel_err(x.grad, x64.grad), "dx"
+        for (n, p), (_, pr) in zip(layer.named_parameters(), ref_layer.named_parameters()):
+            e = rel_err(p.grad, pr.grad) if p.grad is not None else float("inf")
+            if e > worst:
+                worst, name = e, n
+        out.append(Result("layer", f"backward {str(dtype)[6:]} (worst grad)", worst, tol, note=f"worst: {name}"))
+    return out
 
 
 @register
