@@ -10,9 +10,10 @@ most of these tiles twice (two sides, two kernels) with synchronous loads in fro
 Math (notation of :mod:`gdn.kernels.chunk.backward`, ``Gam`` causal, ``SL`` strictly lower)::
 
     dPm = (dO Vn^T) * Gam,  dQ = diag(e^c) dO H^T + (dPm diag(r_k)) k                    -> dq_v (per value head)
-    dVb = Ainv^T dVn,  dv = diag(b) dVb,  db = rowsum(dVb * v) - e^c r_k k.(dVb H^T) - rowsum(dA~ * K K^T)
+    dVb = Ainv^T dVn,  dv = diag(b) dVb,
+    db  = rowsum(dVb * v) - e^c r_k k.(dVb H^T) - rowsum(SL * (dVb Vn^T) * Gam * (kn kn^T))     (kn = r_k k)
     dK  = -diag(b e^c) dVb H^T + diag(e^(cL - c)) Vn Gm^T + ((Vn dO^T) * Gam^T diag(r_q scale)) q
-          - ((SL * dVb Vn^T * Gam) diag(b) + (SL^T * Vn dVn^T Ainv * Gam^T) diag(b)) diag(r_k) k  -> dk_v (fp32)
+          - (diag(b) (SL * dVb Vn^T * Gam) + (SL^T * Vn dVn^T Ainv * Gam^T) diag(b)) kn          -> dk_v (fp32)
     dg  = the reverse cumulative sum of the gate terms of both (``parts.py``), + e^cL <H, Gm> at every row
 
 Outputs and layouts exactly as the portable pair's: dq_v [B*T, HV, K] (operand dtype), dk_v [B*T, HV, K] fp32 (the
