@@ -444,8 +444,8 @@ def _compile_hopper() -> int:
                 cause = cause.__cause__ or cause.__context__
             print(f"  FAIL hopper {name} {cfg}: {type(cause).__name__}: {cause}", flush=True)
     total = len(builds)
-    print(f"gdn.aot: hopper: {total - bad} of {total} state-pass, fused, reverse-pass and parts configurations compile",
-          flush=True)
+    print(f"gdn.aot: hopper: {total - bad} of {total} state-pass, fused, reverse-pass and parts configurations "
+          "compile", flush=True)
     return 1 if bad else 0
 
 def main(argv=None) -> int:

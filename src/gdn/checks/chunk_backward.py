@@ -38,15 +38,21 @@ def _ref_grads(q, k, v, g, beta, scale, h0, cu, l2, do, dht, layout="v_last"):
     return [None if x is None else x.grad for x in xs]
 
 
+def _rows(device, s, varlen, extra_lens=()):
+    """(cu_seqlens, B, T, N) of the check batch: ``s["lens"]`` + ``extra_lens`` packed in one row (varlen), else
+    ``s["B"]`` rows of ``s["T"]`` tokens."""
+    if not varlen:
+        return None, s["B"], s["T"], s["B"]
+    lens = list(s["lens"]) + list(extra_lens)
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    return cu, 1, int(cu[-1]), len(lens)
+
+
 def _case(device, dtype, *, varlen, l2=True, g_range=(-1.0, -0.01)):
     from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
 
     s = _shapes(device)
-    if varlen:
-        cu = torch.tensor([0] + torch.tensor(s["lens"]).cumsum(0).tolist(), dtype=torch.int32, device=device)
-        B, T, N = 1, int(cu[-1]), len(s["lens"])
-    else:
-        cu, B, T, N = None, s["B"], s["T"], s["B"]
+    cu, B, T, N = _rows(device, s, varlen)
     H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
     x = make_inputs(B, T, H, HV, K, V, dtype=dtype, device=device, g_range=g_range)
     h0 = torch.randn(N, HV, K, V, device=device)
@@ -127,7 +133,7 @@ def chunk_backward_public_op(device):
     return out
 
 
-def _sm90_reverse_available(device) -> bool:
+def _sm90_gluon_available(device) -> bool:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return False
     from ..kernels import _gluon_api
@@ -162,7 +168,7 @@ def chunk_backward_reverse_sm90(device):
     end-state gradient and the L2 norm, a batch without either, forced segments (the local, transition and final
     passes: INIT 0 / 3 / 2), K = 64 with fp16 operands; GVA (HV = 2 H). Also that the Gluon kernel did run in every
     case (and did not with it switched off)."""
-    if not _sm90_reverse_available(device):
+    if not _sm90_gluon_available(device):
         return []
     from ..kernels.chunk.backward.reverse import chunk_bwd_dh
     from ..kernels.chunk.prepare import chunk_fwd_prepare
@@ -176,12 +182,7 @@ def chunk_backward_reverse_sm90(device):
             ("batch", False, False, False, -1, s["K"], torch.bfloat16),
             ("varlen segments", True, True, True, 2, s["K"], torch.bfloat16),
             ("K=64 fp16 varlen dht", True, True, True, -1, 64, torch.float16)):
-        if varlen:
-            cu = torch.tensor([0] + torch.tensor(s["lens"] + [64]).cumsum(0).tolist(), dtype=torch.int32,
-                              device=device)
-            B, T, N = 1, int(cu[-1]), len(s["lens"]) + 1
-        else:
-            cu, B, T, N = None, s["B"], s["T"], s["B"]
+        cu, B, T, N = _rows(device, s, varlen, (64,))
         # gates near 1 (g ~ -1e-3): the end-state gradient is carried across every chunk (with the default gates a
         # chunk decays it by ~e^-30, below fp32 resolution, and a wrong carry would go unseen)
         x = make_inputs(B, T, H, HV, K, V, dtype=dt, device=device, g_range=(-0.002, -0.0005))
@@ -209,7 +210,7 @@ def chunk_backward_parts_sm90(device):
     end-state gradient and L2 norm, with gates near 1 and with the default gates; a batch with T = 300 (its last
     chunk's rows past T are the next batch row's) without the L2 norm; K = V = 64 in fp16; GVA (HV = 2 H). Also that
     the Gluon kernel ran (and not when switched off)."""
-    if not _sm90_reverse_available(device):
+    if not _sm90_gluon_available(device):
         return []
     from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
     from ..kernels.tuning import override
@@ -222,12 +223,7 @@ def chunk_backward_parts_sm90(device):
             ("varlen l2", True, True, 128, torch.bfloat16, (-1.0, -0.01)),
             ("batch T=300", False, False, 128, torch.bfloat16, (-0.1, -0.01)),
             ("K=V=64 fp16 varlen l2", True, True, 64, torch.float16, (-0.1, -0.01))):
-        if varlen:
-            cu = torch.tensor([0] + torch.tensor(s["lens"] + [64]).cumsum(0).tolist(), dtype=torch.int32,
-                              device=device)
-            B, T, N = 1, int(cu[-1]), len(s["lens"]) + 1
-        else:
-            cu, B, T, N = None, s["B"], s["T"], s["B"]
+        cu, B, T, N = _rows(device, s, varlen, (64,))
         x = make_inputs(B, T, H, HV, D, D, dtype=dt, device=device, g_range=g_range)
         h0 = torch.randn(N, HV, D, D, device=device)
         dht = torch.randn(N, HV, D, D, device=device)
@@ -253,7 +249,7 @@ def chunk_backward_target_shapes(device):
     through the public op against float64 on a prefix of every sequence with dO zero after it (then the prefix's
     gradients are those of the prefix alone), in bf16 and (1x8192) fp32; the default backward run twice is bitwise
     the same."""
-    if not _sm90_reverse_available(device):
+    if not _sm90_gluon_available(device):
         return []
     from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
     from ..kernels.tuning import override

@@ -182,7 +182,8 @@ if G.AVAILABLE:
         dpm, qk = warpgroup_mma_wait(1, deps=[t_dpm, t_qk])
         t_pt = warpgroup_mma(vn_s, do_s.permute((1, 0)), zc, use_acc=False, is_async=True)      # Vn dO^T
         dpm = dpm * _gam(gc_r, gc_c, o_r, o_c, False, False)
-        pm = gl.where(o_r[:, None] > o_c[None, :], dpm * qk * sq_r[:, None] * rk_c[None, :], 0.0)     # the diagonal cancels exactly
+        # strictly lower: the diagonal cancels exactly
+        pm = gl.where(o_r[:, None] > o_c[None, :], dpm * qk * sq_r[:, None] * rk_c[None, :], 0.0)
         dc0 = gl.sum(pm, axis=1) - gl.convert_layout(gl.sum(pm, axis=0), rc)
         a_s.store((dpm * rk_c[None, :]).to(dt))
         fence_async_shared()
