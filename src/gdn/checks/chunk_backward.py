@@ -208,8 +208,10 @@ def chunk_backward_parts_sm90(device):
     and B on the same inputs: every gradient of ``chunk_gated_delta_rule_bwd`` with ``chunk_bwd.parts_sm90`` on and
     off (nothing else differs); a ragged varlen batch (lengths 0, 1, 63, 65, 300, 129, 64) with initial state,
     end-state gradient and L2 norm, with gates near 1 and with the default gates; a batch with T = 300 (its last
-    chunk's rows past T are the next batch row's) without the L2 norm; K = V = 64 in fp16; GVA (HV = 2 H). Also that
-    the Gluon kernel ran (and not when switched off)."""
+    chunk's rows past T are the next batch row's) without the L2 norm; K = V = 64 in fp16; GVA (HV = 2 H); and HV = H
+    (varlen with the L2 norm, the batch without), where the Gluon kernel also does the q/k kernel's work (dq, dk
+    finished from fp32, so not bitwise the portable path's). Also that the Gluon kernel ran (and not when switched
+    off)."""
     if not _sm90_gluon_available(device):
         return []
     from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
@@ -218,11 +220,14 @@ def chunk_backward_parts_sm90(device):
     s = _shapes(device)
     H, HV = s["H"], s["HV"]
     out = []
-    for name, varlen, l2, D, dt, g_range in (
-            ("varlen l2 gates near 1", True, True, 128, torch.bfloat16, (-0.02, -0.001)),
-            ("varlen l2", True, True, 128, torch.bfloat16, (-1.0, -0.01)),
-            ("batch T=300", False, False, 128, torch.bfloat16, (-0.1, -0.01)),
-            ("K=V=64 fp16 varlen l2", True, True, 64, torch.float16, (-0.1, -0.01))):
+    for name, varlen, l2, D, dt, g_range, mha in (
+            ("varlen l2 gates near 1", True, True, 128, torch.bfloat16, (-0.02, -0.001), False),
+            ("varlen l2", True, True, 128, torch.bfloat16, (-1.0, -0.01), False),
+            ("batch T=300", False, False, 128, torch.bfloat16, (-0.1, -0.01), False),
+            ("K=V=64 fp16 varlen l2", True, True, 64, torch.float16, (-0.1, -0.01), False),
+            ("HV=H varlen l2", True, True, 128, torch.bfloat16, (-0.1, -0.01), True),
+            ("HV=H batch T=300", False, False, 128, torch.bfloat16, (-0.1, -0.01), True)):
+        H = HV if mha else s["H"]
         cu, B, T, N = _rows(device, s, varlen, (64,))
         x = make_inputs(B, T, H, HV, D, D, dtype=dt, device=device, g_range=g_range)
         h0 = torch.randn(N, HV, D, D, device=device)
@@ -261,7 +266,7 @@ def chunk_backward_target_shapes(device):
     # the last field: whether the sm_90 reverse pass takes the shape (one wave of 32-column tiles, and not few heads
     # over a long sequence: reverse.reverse_plan)
     for N, L, H, HV, sm90 in ((1, 8192, 16, 32, True), (1, 32768, 16, 32, True), (4, 4096, 16, 32, False),
-                              (1, 65536, 2, 8, False)):
+                              (1, 65536, 2, 8, False), (1, 32768, 64, 64, True)):
         T = N * L
         # gates near 1 (g in [-0.02, -0.001]): gradients carried over hundreds of chunks, so the unsegmented sm_90
         # pass and the segmented portable one differ by rounding, not by nothing

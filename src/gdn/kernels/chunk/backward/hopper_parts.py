@@ -91,13 +91,27 @@ if G.AVAILABLE:
         return rv_s.slice(i * 64, 64).load(layout)
 
     @gluon.jit
+    def _l2_backward(dy, x_s, r_in, tok, m, i_h, scale, H: gl.constexpr, layout: gl.constexpr, USE_L2: gl.constexpr):
+        """The q/k kernel's step for one head's [64, D] gradient dy: with the L2 norm ``r scale (dy - x (x.dy) r^2)``
+        (x the raw rows in shared memory, r their inverse norms), else ``scale dy``."""
+        if USE_L2:
+            r = gl.load(r_in + tok * H + i_h, mask=m, other=0.0)
+            x = x_s.load(layout).to(gl.float32)
+            dy = (r * scale)[:, None] * (dy - x * (gl.sum(x * dy, axis=1) * r * r)[:, None])
+        else:
+            dy = dy * scale
+        return dy
+
+    @gluon.jit
     def _bwd_parts_sm90_kernel(
         q_desc, k_desc, do_desc, vn_desc, dvn_desc, v_desc, ai_desc, h_desc, gs_desc,
         gcum, beta, rq_in, rk_in, dq_v, dk_v, dv, dbeta, dg, cu_seqlens, chunk_indices, scale, T,
         H: gl.constexpr, HV: gl.constexpr, D: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
-        num_warps: gl.constexpr,
+        FINAL_QK: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """Parts A and B of one (chunk, value head) (module docstring); D = K = V."""
+        """Parts A and B of one (chunk, value head) (module docstring); D = K = V. FINAL_QK (HV = H only): dq_v and
+        dk_v are the final dq, dk [B*T, H, K] and the q/k kernel's work (the scale, the L2-norm backward) is done
+        here on the fp32 dQ, dK."""
         C: gl.constexpr = 64
         i_t = gl.program_id(0)
         i_hv = gl.program_id(1)
@@ -166,7 +180,8 @@ if G.AVAILABLE:
         o_c = gl.arange(0, C, layout=cc)
         o_d = gl.arange(0, D, layout=gl.SliceLayout(0, LD))
         tok_d = (row0 + gl.arange(0, C, layout=rd)).to(gl.int64)
-        m_dd = (gl.arange(0, C, layout=rd) < nv)[:, None] & (o_d[None, :] < D)
+        m_d = gl.arange(0, C, layout=rd) < nv
+        m_dd = m_d[:, None] & (o_d[None, :] < D)
         m_r = o_r < nv
         zc = gl.zeros([C, C], gl.float32, layout=LC)
         zd = gl.zeros([C, D], gl.float32, layout=LD)
@@ -221,6 +236,8 @@ if G.AVAILABLE:
             hgs += gl.sum(gl.sum(h_s.slice(r, 32).load(BL).to(gl.float32) * gs_s.slice(r, 32).load(BL).to(gl.float32),
                                  axis=1), axis=0)
         dq = warpgroup_mma_wait(2, deps=[t_dq])
+        if FINAL_QK:
+            dq = _l2_backward(dq, q_s, rq_in, tok_d, m_d, i_h, scale, H, LD, USE_L2)
         gl.store(dq_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dq.to(dq_v.dtype.element_ty), mask=m_dd)
         dvb = warpgroup_mma_wait(1, deps=[t_dvb])
         gl.store(dv + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :],
@@ -273,7 +290,9 @@ if G.AVAILABLE:
         gl.store(dg + tok_r * HV + i_hv, dgv.to(dg.dtype.element_ty), mask=m_r)
         gl.store(dbeta + tok_r * HV + i_hv, db_r.to(dbeta.dtype.element_ty), mask=m_r)
         dk = warpgroup_mma_wait(0, deps=[t_acc])
-        gl.store(dk_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dk, mask=m_dd)
+        if FINAL_QK:
+            dk = _l2_backward(dk, k_s, rk_in, tok_d, m_d, i_h, 1.0, H, LD, USE_L2)
+        gl.store(dk_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dk.to(dk_v.dtype.element_ty), mask=m_dd)
         mbarrier.invalidate(bars.index(0))
         mbarrier.invalidate(bars.index(1))
 
@@ -293,9 +312,10 @@ def supported(q, k, v, do, v_new, dvn, ainv, h, gs, K: int, V: int) -> bool:
 
 
 def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v, dk_v, dv, dbeta, dg, cu_seqlens,
-                 chunk_indices, NT, scale, *, use_l2):
+                 chunk_indices, NT, scale, *, use_l2, final_qk=False):
     """Launch the sm_90 parts kernel over (NT, HV) (``supported`` must have said yes); tensors as
-    ``parts.chunk_bwd_main``'s (beta contiguous [B, T, HV])."""
+    ``parts.chunk_bwd_main``'s (beta contiguous [B, T, HV]). ``final_qk`` (HV = H): dq_v and dk_v are the final
+    dq, dk (q's and k's dtype) and no q/k kernel is needed."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     dn = _GL_DT[k.dtype]
@@ -307,7 +327,7 @@ def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v
         _desc(h.view(-1, K), (K, K), dn), _desc(gs.view(-1, K), (K, K), dn),
         g_cum, beta, rq if rq is not None else ph, rk if rk is not None else ph, dq_v, dk_v, dv, dbeta, dg,
         cu_seqlens if cu_seqlens is not None else chunk_indices, chunk_indices, float(scale), T,
-        H=H, HV=HV, D=K, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, num_warps=8)
+        H=H, HV=HV, D=K, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, FINAL_QK=bool(final_qk), num_warps=8)
 
 
 __all__ = ["supported", "launch_parts"]

@@ -265,11 +265,17 @@ def chunk_bwd_qk_kernel(
     tl.store(dk + p_out, b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
 
+def _qk_scratch(B, T, HV, K, dq_dtype, dk_dtype, dev):
+    """dQ (dot dtype) and dK (accumulator dtype) per value head [B, T, HV, K], summed by the q/k kernel."""
+    return (torch.empty(B, T, HV, K, dtype=dq_dtype, device=dev), torch.empty(B, T, HV, K, dtype=dk_dtype, device=dev))
+
+
 def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_seqlens, chunk_size,
                    use_qk_l2norm_in_kernel, *, g_dtype=None, chunk_index=None, rq=None, rk=None):
     """Parallel per-chunk gradients: kernel A (output/state terms, per value head and side), kernel B (WY terms:
     dv, dbeta, dg, dk terms) -- on sm_90 both as one Gluon kernel (``hopper_parts``, ``chunk_bwd.parts_sm90``) --,
-    then the q/k kernel (GVA sum, L2-norm backward). Returns ``(dq, dk, dv, dbeta, dg)`` in the dtypes of q, k, v,
+    then the q/k kernel (GVA sum, L2-norm backward; on sm_90 with HV = H the Gluon kernel finishes dq and dk itself).
+    Returns ``(dq, dk, dv, dbeta, dg)`` in the dtypes of q, k, v,
     beta and ``g_dtype`` (default g_cum's). ``v_new``'s dtype is the dot operand dtype. Scratch: dQ per value head
     [B, T, HV, K] (dot dtype), dK per value head (fp32), and for the portable pair four dg / dbeta slots
     [4, B, T, HV] (fp32)."""
@@ -292,8 +298,6 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     if l2 and rq is None:
         rq, rk = l2_rnorm(q), l2_rnorm(k)
     acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq_v = torch.empty(B, T, HV, K, dtype=v_new.dtype, device=dev)
-    dk_v = torch.empty(B, T, HV, K, dtype=acc_t, device=dev)
     g_cum = g_cum.contiguous()
     BK = max(16, next_pow2(K))
     meta = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None, L2NORM=l2, ACC=_acc_dtype(q.dtype))
@@ -301,9 +305,15 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     beta = beta.contiguous()
     ainv = ainv.contiguous()
     if cfg.parts_sm90 and hopper_parts.supported(q, k, v, do, v_new, dvn, ainv, h, gs, K, V):
+        if HV == H:   # no value heads to sum: the kernel finishes dq, dk itself (no scratch, no q/k kernel)
+            hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, dk, dv, dbeta,
+                                      dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2, final_qk=True)
+            return dq, dk, dv, dbeta, dg
+        dq_v, dk_v = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
         hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v, dk_v, dv, dbeta,
                                   dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2)
     else:
+        dq_v, dk_v = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
         dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
         mm = dict(V=V, BV=_v_tile(V, dev), MM=_mm_dtype(v_new.dtype), PREC=_dot_precision(v_new.dtype, dev))
         nw, ns = int(cfg.a_warps), int(cfg.a_stages)
