@@ -66,7 +66,7 @@ and ``hopper.py`` (2), ``parts.py`` (3-5), ``hopper_parts.py`` (3-4 on sm_90), `
    On sm_90, 3 and 4 are one Gluon kernel (``hopper_parts.py``: one CTA per chunk x value head, every tile by TMA
    once, asynchronous wgmma).
 5. ``chunk_bwd_qk_kernel`` (parallel, chunk x q/k head): the GVA sum over value heads (deterministic, no atomics)
-   and the L2-norm backward.
+   and the L2-norm backward. On sm_90 with HV = H the Gluon kernel of 3-4 does this itself and 5 is not launched.
 
 Every register tile is fp32 (fp64 for fp64 inputs); tl.dot takes operands in the input dtype (bf16/fp16) with fp32
 accumulation. No program holds more than two [C, K]-or-larger accumulators, so at 4 warps nothing spills beyond

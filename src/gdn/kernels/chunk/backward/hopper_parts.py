@@ -17,7 +17,8 @@ Math (notation of :mod:`gdn.kernels.chunk.backward`, ``Gam`` causal, ``SL`` stri
     dg  = the reverse cumulative sum of the gate terms of both (``parts.py``), + e^cL <H, Gm> at every row
 
 Outputs and layouts exactly as the portable pair's: dq_v [B*T, HV, K] (operand dtype), dk_v [B*T, HV, K] fp32 (the
-q/k kernel sums value heads and applies the L2-norm backward), dv [B*T, HV, V], dbeta, dg [B*T, HV]. Inputs: q, k,
+q/k kernel sums value heads and applies the L2-norm backward), dv [B*T, HV, V], dbeta, dg [B*T, HV]; with HV = H
+(``final_qk``) the kernel does the q/k kernel's part itself and writes the final dq, dk [B*T, H, K]. Inputs: q, k,
 v, dO as 2-D views [B*T, heads*D] (strided rows allowed); v_new, dVn [B*T, HV*V] and Ainv [B*T, HV*64] contiguous;
 H (``h``) and Gm (``gs``) [NT*HV*K, V]. Rows of a partial chunk past its sequence are zeroed in shared memory before
 use (they hold the next sequence's tokens), as the portable kernels load zeros there.
