@@ -414,3 +414,35 @@ def test_reverse_pass_plan_sm90(monkeypatch):
         assert seg is not None and bv == 0 and not sm90
     with tuning.override("chunk_bwd", dh_sm90_plain_chunks=2048):
         assert plan(1, 65536, 8) == (None, 32, True)
+
+
+@pytest.mark.parametrize("HV", [2, 4])
+def test_parts_dispatch_sm90(monkeypatch, HV):
+    """chunk_bwd_main's dispatch where the sm_90 parts kernel takes the launch (support emulated, launches
+    recorded): with HV = H the Gluon kernel writes the final dq / dk (``final_qk``) and the q/k kernel is not
+    launched; with GVA it writes per-value-head scratch that the q/k kernel then sums; the portable pair never runs."""
+    from gdn.kernels.chunk.backward import parts
+
+    calls, launched = [], []
+    monkeypatch.setattr(parts.hopper_parts, "supported", lambda *a: True)
+    monkeypatch.setattr(parts.hopper_parts, "launch_parts", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(parts, "launch", lambda kernel, grid, *a, **kw: launched.append(kernel))
+    B, T, H, K = 1, 130, 2, 64
+    x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
+    g_cum = torch.randn(B, T, HV)
+    ainv = torch.randn(B, T, HV, 64).bfloat16()
+    vn, dvn, do = (torch.randn(B, T, HV, K).bfloat16() for _ in range(3))
+    h = torch.randn(3, HV, K, K).bfloat16()
+    dq, dk, dv, dbeta, dg = parts.chunk_bwd_main(x.q, x.k, x.v, g_cum, x.beta, ainv, vn, dvn, do, h, h.clone(), 0.125,
+                                                 None, 64, True)
+    assert len(calls) == 1
+    args, kw = calls[0]
+    final = HV == H
+    assert kw["final_qk"] is final if "final_qk" in kw else not final
+    # the kernel's dq / dk arguments (14th and 15th): the outputs themselves, or [B, T, HV, K] scratch
+    assert (args[13] is dq and args[14] is dk) == final
+    if not final:
+        assert args[13].shape == (B, T, HV, K) and args[14].dtype == torch.float32
+    names = [k.fn.__name__ if hasattr(k, "fn") else str(k) for k in launched]
+    assert names == ([] if final else ["chunk_bwd_qk_kernel"])
+    assert dq.shape == (B, T, H, K) and dk.dtype == x.k.dtype and dv.shape == x.v.shape
