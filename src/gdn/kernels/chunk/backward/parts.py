@@ -307,11 +307,13 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     if cfg.parts_sm90 and hopper_parts.supported(q, k, v, do, v_new, dvn, ainv, h, gs, K, V):
         if HV == H:   # no value heads to sum: the kernel finishes dq, dk itself (no scratch, no q/k kernel)
             hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, dk, dv, dbeta,
-                                      dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2, final_qk=True)
+                                      dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2, final_qk=True,
+                                      warps=int(cfg.parts_sm90_warps))
             return dq, dk, dv, dbeta, dg
         dq_v, dk_v = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
         hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v, dk_v, dv, dbeta,
-                                  dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2)
+                                  dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2,
+                                  warps=int(cfg.parts_sm90_warps))
     else:
         dq_v, dk_v = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
         dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
