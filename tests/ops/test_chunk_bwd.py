@@ -438,7 +438,7 @@ def test_parts_dispatch_sm90(monkeypatch, HV):
     assert len(calls) == 1
     args, kw = calls[0]
     final = HV == H
-    assert kw["final_qk"] is final if "final_qk" in kw else not final
+    assert kw["final_qk"] is final
     # the kernel's dq / dk arguments (14th and 15th): the outputs themselves, or [B, T, HV, K] scratch
     assert (args[13] is dq and args[14] is dk) == final
     if not final:

@@ -275,10 +275,9 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     """Parallel per-chunk gradients: kernel A (output/state terms, per value head and side), kernel B (WY terms:
     dv, dbeta, dg, dk terms) -- on sm_90 both as one Gluon kernel (``hopper_parts``, ``chunk_bwd.parts_sm90``) --,
     then the q/k kernel (GVA sum, L2-norm backward; on sm_90 with HV = H the Gluon kernel finishes dq and dk itself).
-    Returns ``(dq, dk, dv, dbeta, dg)`` in the dtypes of q, k, v,
-    beta and ``g_dtype`` (default g_cum's). ``v_new``'s dtype is the dot operand dtype. Scratch: dQ per value head
-    [B, T, HV, K] (dot dtype), dK per value head (fp32), and for the portable pair four dg / dbeta slots
-    [4, B, T, HV] (fp32)."""
+    Returns ``(dq, dk, dv, dbeta, dg)`` in the dtypes of q, k, v, beta and ``g_dtype`` (default g_cum's).
+    ``v_new``'s dtype is the dot operand dtype. Scratch: dQ per value head [B, T, HV, K] (dot dtype), dK per value
+    head (fp32), and for the portable pair four dg / dbeta slots [4, B, T, HV] (fp32)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     C = int(chunk_size)
@@ -305,15 +304,13 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     beta = beta.contiguous()
     ainv = ainv.contiguous()
     if cfg.parts_sm90 and hopper_parts.supported(q, k, v, do, v_new, dvn, ainv, h, gs, K, V):
-        if HV == H:   # no value heads to sum: the kernel finishes dq, dk itself (no scratch, no q/k kernel)
-            hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, dk, dv, dbeta,
-                                      dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2, final_qk=True,
-                                      warps=int(cfg.parts_sm90_warps))
-            return dq, dk, dv, dbeta, dg
-        dq_v, dk_v = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
+        final = HV == H   # no value heads to sum: the kernel finishes dq, dk itself (no scratch, no q/k kernel)
+        dq_v, dk_v = (dq, dk) if final else _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
         hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v, dk_v, dv, dbeta,
-                                  dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2,
+                                  dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2, final_qk=final,
                                   warps=int(cfg.parts_sm90_warps))
+        if final:
+            return dq, dk, dv, dbeta, dg
     else:
         dq_v, dk_v = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
         dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
