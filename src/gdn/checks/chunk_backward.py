@@ -258,8 +258,8 @@ def chunk_backward_target_shapes(device):
     default path against the portable reverse pass (``chunk_gated_delta_rule_bwd``, every gradient, random dO over
     the whole sequence; the portable pass segments these long sequences, the sm_90 one does not), and autograd
     through the public op against float64 on a prefix of every sequence with dO zero after it (then the prefix's
-    gradients are those of the prefix alone), in bf16 and (1x8192) fp32; the default backward run twice is bitwise
-    the same."""
+    gradients are those of the prefix alone), in bf16 (fp32: ``chunk_backward_fp32_long``); the default
+    backward run twice is bitwise the same."""
     if not _sm90_gluon_available(device):
         return []
     from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
@@ -310,11 +310,25 @@ def chunk_backward_target_shapes(device):
                 errs[name] = max(errs[name], rel_err(a.grad[:, sl], r))
         out += [Result("chunk_backward", f"target {tag} {n}[:{prefix}] per sequence vs float64", e,
                        _TOL[torch.bfloat16]) for n, e in errs.items()]
-        if N == 1 and L == 8192:   # fp32 inputs (the portable kernels: the sm_90 pass takes 16-bit operands)
-            x32 = [t.float() for t in (x.q, x.k, x.v, x.g, x.beta)]
-            d32 = torch.where(keep[None, :, None, None], do, 0).float()
-            got = chunk_gated_delta_rule_bwd(*x32, scale, None, cu, 64, True, d32, None)[:5]
-            ref = _ref_grads(*[t[:, :prefix] for t in x32], scale, None, None, True, d32[:, :prefix], None)
-            out += [Result("chunk_backward", f"target {tag} fp32 {n}[:{prefix}] vs float64",
-                           rel_err(a[:, :prefix], r), _TOL[torch.float32]) for n, a, r in zip(_NAMES, got, ref)]
     return out
+
+
+@register
+def chunk_backward_fp32_long(device):
+    """Hopper only: the backward at 1x8192 16/32 with fp32 inputs (the portable kernels: the sm_90 passes take
+    16-bit operands) against float64 on a 192-token prefix (dO zero after it). Its own check because its fp32
+    kernels take minutes to compile on a fresh machine (``chunk_backward_target_shapes`` is the bf16 / sm_90 one)."""
+    if not _sm90_gluon_available(device):
+        return []
+    from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
+
+    T, prefix, scale = 8192, 192, 128 ** -0.5
+    x = make_inputs(1, T, 16, 32, 128, 128, dtype=torch.float32, device=device, g_range=(-0.02, -0.001))
+    cu = torch.tensor([0, T], device=device, dtype=torch.int32)
+    d32 = torch.randn(1, T, 32, 128, device=device)
+    d32[:, prefix:] = 0
+    x32 = [x.q, x.k, x.v, x.g, x.beta]
+    got = chunk_gated_delta_rule_bwd(*x32, scale, None, cu, 64, True, d32, None)[:5]
+    ref = _ref_grads(*[t[:, :prefix] for t in x32], scale, None, None, True, d32[:, :prefix], None)
+    return [Result("chunk_backward", f"target 1x8192 16/32 fp32 {n}[:{prefix}] vs float64",
+                   rel_err(a[:, :prefix], r), _TOL[torch.float32]) for n, a, r in zip(_NAMES, got, ref)]
