@@ -453,7 +453,10 @@ def test_prepare_output_matrix(l2):
     for a, b in zip(starts, ends):
         L = b - a
         for hv in range(HV):
-            assert rel_err(p[0, a:b, hv, :L], ref["p"][0, a:b, hv, :L]) < 1e-5
+            # P's entries are scale (r_q q).(r_k k) e^(gate differences) with unit-norm (L2-normed or normalised)
+            # rows: errors measured against that scale, not against the block's own norm (a 1-token chunk's single
+            # entry can be a near-cancelling dot product, whose fp32 relative error alone reached 1.9e-5 in CI)
+            assert (p[0, a:b, hv, :L].double() - ref["p"][0, a:b, hv, :L]).abs().max().item() < 1e-5 * scale
             assert torch.equal(p[0, a:b, hv, L:], torch.zeros_like(p[0, a:b, hv, L:]))
             assert rel_err(qf[0, a:b, hv], ref["qf"][0, a:b, hv]) < 1e-5
     # the output identity on the stored states
