@@ -218,7 +218,7 @@ def chunk_backward_parts_sm90(device):
     from ..kernels.tuning import override
 
     s = _shapes(device)
-    H, HV = s["H"], s["HV"]
+    HV = s["HV"]
     out = []
     for name, varlen, l2, D, dt, g_range, mha in (
             ("varlen l2 gates near 1", True, True, 128, torch.bfloat16, (-0.02, -0.001), False),
