@@ -399,8 +399,7 @@ def compile_hopper_parts(K=128, dtype=None, **flags):
 
 
 PARTS_CONFIGS = [dict(), dict(USE_L2=False, IS_VARLEN=False), dict(K=64), dict(dtype="float16"),
-                 dict(FINAL_QK=True, H=4), dict(FINAL_QK=True, H=4, USE_L2=False, IS_VARLEN=False),
-                 dict(num_warps=16), dict(num_warps=16, FINAL_QK=True, H=4)]
+                 dict(FINAL_QK=True, H=4), dict(FINAL_QK=True, H=4, USE_L2=False, IS_VARLEN=False)]
 
 
 DH_CONFIGS = [dict(BV=bv, **f) for bv in (32, 64)

@@ -138,9 +138,6 @@ class ChunkBackward:
     # sm_90: parts A and B of the per-chunk gradients as one Gluon kernel (gdn.kernels.chunk.backward.hopper_parts:
     # every tile of a (chunk, value head) by TMA once, asynchronous wgmma) where it supports the launch
     parts_sm90: bool = True
-    # its warps: 8 (two warpgroups, 223 registers) or 16 (four, at most 128 registers: 136 B of spills in the
-    # sm_90 build, twice the warps to hide latency with; pending GPU A/B, bench/NOTES.md)
-    parts_sm90_warps: int = 8
 
 
 @dataclass(frozen=True)

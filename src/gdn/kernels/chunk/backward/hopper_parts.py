@@ -1,11 +1,10 @@
 """Hopper (sm_90) form of the backward's parallel per-chunk gradients: parts A and B of ``parts.py``
-(``chunk_bwd_out_kernel`` + ``chunk_bwd_wy_kernel``) in one Gluon kernel, one CTA (8 warps; 16 with
-``chunk_bwd.parts_sm90_warps``) per (chunk, value head).
+(``chunk_bwd_out_kernel`` + ``chunk_bwd_wy_kernel``) in one Gluon kernel, one CTA (8 warps) per (chunk, value head).
 
 Every operand tile of the chunk comes by TMA into shared memory once (q, k [64, K]; dO, v_new, dVn, v [64, V];
 Ainv [64, 64]; H and Gm [K, V]: ~170 KB at K = V = 128), in two groups so that the dQ side computes while the
 second group lands; the products are asynchronous warpgroup MMAs on shared-memory operands (computed operands go
-through small shared-memory tiles); the warpgroups split every product's N columns. The portable kernels read
+through small shared-memory tiles); the two warpgroups split every product's N columns. The portable kernels read
 most of these tiles twice (two sides, two kernels) with synchronous loads in front of each product.
 
 Math (notation of :mod:`gdn.kernels.chunk.backward`, ``Gam`` causal, ``SL`` strictly lower)::
@@ -166,12 +165,10 @@ if G.AVAILABLE:
         tma_load(ai_desc, [row0, i_hv * C], bars.index(1), ai_s)
         tma_load(gs_desc, [hrow, 0], bars.index(1), gs_s)
 
-        WG: gl.constexpr = num_warps // 4      # warpgroups, each taking 1 / WG of every product's N columns
-        LC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
-                                                     instr_shape=[16, C // WG, 16])
-        LD: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
-                                                     instr_shape=[16, D // WG, 16])
-        BL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        LC: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+        LD: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                     instr_shape=[16, D // 2, 16])
+        BL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
         rc: gl.constexpr = gl.SliceLayout(1, LC)
         cc: gl.constexpr = gl.SliceLayout(0, LC)
         rd: gl.constexpr = gl.SliceLayout(1, LD)
@@ -316,13 +313,10 @@ def supported(q, k, v, do, v_new, dvn, ainv, h, gs, K: int, V: int) -> bool:
 
 
 def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v, dk_v, dv, dbeta, dg, cu_seqlens,
-                 chunk_indices, NT, scale, *, use_l2, final_qk=False, warps=8):
+                 chunk_indices, NT, scale, *, use_l2, final_qk=False):
     """Launch the sm_90 parts kernel over (NT, HV) (``supported`` must have said yes); tensors as
     ``parts.chunk_bwd_main``'s (beta contiguous [B, T, HV]). ``final_qk`` (HV = H): dq_v and dk_v are the final
-    dq, dk (q's and k's dtype) and no q/k kernel is needed. ``warps``: 8 or 16 (the warpgroups split every
-    product's N columns)."""
-    if warps not in (8, 16):
-        raise ValueError(f"chunk_bwd.parts_sm90_warps: 8 or 16, got {warps}")
+    dq, dk (q's and k's dtype) and no q/k kernel is needed."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     dn = _GL_DT[k.dtype]
@@ -334,8 +328,7 @@ def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v
         _desc(h.view(-1, K), (K, K), dn), _desc(gs.view(-1, K), (K, K), dn),
         g_cum, beta, rq if rq is not None else ph, rk if rk is not None else ph, dq_v, dk_v, dv, dbeta, dg,
         cu_seqlens if cu_seqlens is not None else chunk_indices, chunk_indices, float(scale), T,
-        H=H, HV=HV, D=K, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, FINAL_QK=bool(final_qk),
-        num_warps=int(warps))
+        H=H, HV=HV, D=K, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, FINAL_QK=bool(final_qk), num_warps=8)
 
 
 __all__ = ["supported", "launch_parts"]

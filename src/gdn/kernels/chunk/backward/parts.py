@@ -307,8 +307,7 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
         final = HV == H   # no value heads to sum: the kernel finishes dq, dk itself (no scratch, no q/k kernel)
         dq_v, dk_v = (dq, dk) if final else _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
         hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v, dk_v, dv, dbeta,
-                                  dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2, final_qk=final,
-                                  warps=int(cfg.parts_sm90_warps))
+                                  dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2, final_qk=final)
         if final:
             return dq, dk, dv, dbeta, dg
     else:
