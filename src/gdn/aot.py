@@ -391,15 +391,16 @@ def compile_hopper_parts(K=128, dtype=None, **flags):
     args = dict(q_desc=row, k_desc=row, do_desc=row, vn_desc=row, dvn_desc=row, v_desc=row,
                 ai_desc=m._desc(x.view(B * T, -1)[:, :HV * 64], (64, 64), dn), h_desc=m._desc(hh, (K, K), dn),
                 gs_desc=m._desc(hh, (K, K), dn), gcum=f32, beta=torch.empty(4, dtype=dt), rq_in=f32, rk_in=f32,
-                dq_v=torch.empty(4, dtype=dt), dk_v=f32, dv=torch.empty(4, dtype=dt), dbeta=torch.empty(4, dtype=dt),
+                dq_v=torch.empty(4, dtype=dt), dk_v=f32, dq_o=torch.empty(4, dtype=dt), dk_o=torch.empty(4, dtype=dt),
+                counts=i32, dv=torch.empty(4, dtype=dt), dbeta=torch.empty(4, dtype=dt),
                 dg=f32, cu_seqlens=i32, chunk_indices=i32, scale=0.5, T=T)
-    cx = dict(H=H, HV=HV, D=K, USE_L2=True, IS_VARLEN=True, FINAL_QK=False, num_warps=8)
+    cx = dict(H=H, HV=HV, D=K, USE_L2=True, IS_VARLEN=True, num_warps=8)
     cx.update(flags)
     return compile_gluon(mp._bwd_parts_sm90_kernel, args, cx, num_warps=cx["num_warps"])
 
 
 PARTS_CONFIGS = [dict(), dict(USE_L2=False, IS_VARLEN=False), dict(K=64), dict(dtype="float16"),
-                 dict(FINAL_QK=True, H=4), dict(FINAL_QK=True, H=4, USE_L2=False, IS_VARLEN=False)]
+                 dict(H=4), dict(H=4, USE_L2=False, IS_VARLEN=False)]
 
 
 DH_CONFIGS = [dict(BV=bv, **f) for bv in (32, 64)

@@ -419,8 +419,9 @@ def test_reverse_pass_plan_sm90(monkeypatch):
 @pytest.mark.parametrize("HV", [2, 4])
 def test_parts_dispatch_sm90(monkeypatch, HV):
     """chunk_bwd_main's dispatch where the sm_90 parts kernel takes the launch (support emulated, launches
-    recorded): with HV = H the Gluon kernel writes the final dq / dk (``final_qk``) and the q/k kernel is not
-    launched; with GVA it writes per-value-head scratch that the q/k kernel then sums; the portable pair never runs."""
+    recorded): the Gluon kernel gets the final dq / dk and no q/k kernel is launched; with GVA it also gets
+    per-value-head scratch (through which it sums a key head's value heads), with HV = H none; the portable pair
+    never runs."""
     from gdn.kernels.chunk.backward import parts
 
     calls, launched = [], []
@@ -437,12 +438,12 @@ def test_parts_dispatch_sm90(monkeypatch, HV):
                                                  None, 64, True)
     assert len(calls) == 1
     args, kw = calls[0]
-    final = HV == H
-    assert kw["final_qk"] is final
-    # the kernel's dq / dk arguments (14th and 15th): the outputs themselves, or [B, T, HV, K] scratch
-    assert (args[13] is dq and args[14] is dk) == final
-    if not final:
-        assert args[13].shape == (B, T, HV, K) and args[14].dtype == torch.float32
-    names = [k.fn.__name__ if hasattr(k, "fn") else str(k) for k in launched]
-    assert names == ([] if final else ["chunk_bwd_qk_kernel"])
+    # the kernel's dq / dk arguments (14th and 15th) are the outputs themselves
+    assert args[13] is dq and args[14] is dk
+    if HV == H:
+        assert kw["scratch"] is None
+    else:
+        sq, sk = kw["scratch"]
+        assert sq.shape == (B, T, HV, K) and sk.shape == (B, T, HV, K) and sk.dtype == torch.float32
+    assert launched == []
     assert dq.shape == (B, T, H, K) and dk.dtype == x.k.dtype and dv.shape == x.v.shape

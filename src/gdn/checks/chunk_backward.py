@@ -209,9 +209,9 @@ def chunk_backward_parts_sm90(device):
     off (nothing else differs); a ragged varlen batch (lengths 0, 1, 63, 65, 300, 129, 64) with initial state,
     end-state gradient and L2 norm, with gates near 1 and with the default gates; a batch with T = 300 (its last
     chunk's rows past T are the next batch row's) without the L2 norm; K = V = 64 in fp16; GVA (HV = 2 H); and HV = H
-    (varlen with the L2 norm, the batch without), where the Gluon kernel also does the q/k kernel's work (dq, dk
-    finished from fp32, so not bitwise the portable path's). Also that the Gluon kernel ran (and not when switched
-    off)."""
+    (varlen with the L2 norm, the batch without). The Gluon kernel also does the q/k kernel's work (with GVA the last
+    value head of a key head sums the group's slots; with HV = H dq, dk are finished from fp32, so not bitwise the
+    portable path's). Also that the Gluon kernel ran (and not when switched off)."""
     if not _sm90_gluon_available(device):
         return []
     from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd

@@ -16,9 +16,9 @@ Math (notation of :mod:`gdn.kernels.chunk.backward`, ``Gam`` causal, ``SL`` stri
           - (diag(b) (SL * dVb Vn^T * Gam) + (SL^T * Vn dVn^T Ainv * Gam^T) diag(b)) kn          -> dk_v (fp32)
     dg  = the reverse cumulative sum of the gate terms of both (``parts.py``), + e^cL <H, Gm> at every row
 
-Outputs and layouts exactly as the portable pair's: dq_v [B*T, HV, K] (operand dtype), dk_v [B*T, HV, K] fp32 (the
-q/k kernel sums value heads and applies the L2-norm backward), dv [B*T, HV, V], dbeta, dg [B*T, HV]; with HV = H
-(``final_qk``) the kernel does the q/k kernel's part itself and writes the final dq, dk [B*T, H, K]. Inputs: q, k,
+Outputs: dv [B*T, HV, V], dbeta, dg [B*T, HV] as the portable pair's, and the final dq, dk [B*T, H, K]: the kernel
+also does the portable path's q/k kernel's work (the sum over a key head's value heads, in value-head order through
+per-value-head slots and an arrival count with HV > H; the scale; the L2-norm backward). Inputs: q, k,
 v, dO as 2-D views [B*T, heads*D] (strided rows allowed); v_new, dVn [B*T, HV*V] and Ainv [B*T, HV*64] contiguous;
 H (``h``) and Gm (``gs``) [NT*HV*K, V]. Rows of a partial chunk past its sequence are zeroed in shared memory before
 use (they hold the next sequence's tokens), as the portable kernels load zeros there.
@@ -106,17 +106,22 @@ if G.AVAILABLE:
     @gluon.jit
     def _bwd_parts_sm90_kernel(
         q_desc, k_desc, do_desc, vn_desc, dvn_desc, v_desc, ai_desc, h_desc, gs_desc,
-        gcum, beta, rq_in, rk_in, dq_v, dk_v, dv, dbeta, dg, cu_seqlens, chunk_indices, scale, T,
+        gcum, beta, rq_in, rk_in, dq_v, dk_v, dq_o, dk_o, counts, dv, dbeta, dg, cu_seqlens, chunk_indices, scale, T,
         H: gl.constexpr, HV: gl.constexpr, D: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
-        FINAL_QK: gl.constexpr, num_warps: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
-        """Parts A and B of one (chunk, value head) (module docstring); D = K = V. FINAL_QK (HV = H only): dq_v and
-        dk_v are the final dq, dk [B*T, H, K] and the q/k kernel's work (the scale, the L2-norm backward) is done
-        here on the fp32 dQ, dK."""
+        """Parts A and B of one (chunk, value head) (module docstring); D = K = V; program id = chunk * HV + value
+        head (a key head's value heads side by side). The final dq, dk [B*T, H, K] go to dq_o, dk_o (the GVA sum,
+        the scale and the L2-norm backward done here): with HV = H straight from the fp32 dQ, dK; with HV > H each
+        value head's dQ, dK go to its slot of dq_v, dk_v [B*T, HV, K], ``counts[chunk * H + key head]`` (int32,
+        zero at launch) counts the finished value heads of the group (acq_rel atomics), and the last to finish sums
+        the group's slots in value-head order (so the result does not depend on which one is last)."""
         C: gl.constexpr = 64
-        i_t = gl.program_id(0)
-        i_hv = gl.program_id(1)
-        i_h = i_hv // (HV // H)
+        GR: gl.constexpr = HV // H
+        pid = gl.program_id(0)
+        i_t = pid // HV
+        i_hv = pid % HV
+        i_h = i_hv // GR
         if IS_VARLEN:
             n = gl.load(chunk_indices + 2 * i_t)
             c = gl.load(chunk_indices + 2 * i_t + 1)
@@ -237,9 +242,12 @@ if G.AVAILABLE:
             hgs += gl.sum(gl.sum(h_s.slice(r, 32).load(BL).to(gl.float32) * gs_s.slice(r, 32).load(BL).to(gl.float32),
                                  axis=1), axis=0)
         dq = warpgroup_mma_wait(2, deps=[t_dq])
-        if FINAL_QK:
+        if GR == 1:
             dq = _l2_backward(dq, q_s, rq_in, tok_d, m_d, i_h, scale, H, LD, USE_L2)
-        gl.store(dq_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dq.to(dq_v.dtype.element_ty), mask=m_dd)
+            gl.store(dq_o + (tok_d * H + i_h)[:, None] * D + o_d[None, :], dq.to(dq_o.dtype.element_ty), mask=m_dd)
+        else:
+            gl.store(dq_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dq.to(dq_v.dtype.element_ty),
+                     mask=m_dd)
         dvb = warpgroup_mma_wait(1, deps=[t_dvb])
         gl.store(dv + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :],
                  (dvb * _vec(rv_s, 1, rd)[:, None]).to(dv.dtype.element_ty), mask=m_dd)
@@ -291,9 +299,29 @@ if G.AVAILABLE:
         gl.store(dg + tok_r * HV + i_hv, dgv.to(dg.dtype.element_ty), mask=m_r)
         gl.store(dbeta + tok_r * HV + i_hv, db_r.to(dbeta.dtype.element_ty), mask=m_r)
         dk = warpgroup_mma_wait(0, deps=[t_acc])
-        if FINAL_QK:
+        if GR == 1:
             dk = _l2_backward(dk, k_s, rk_in, tok_d, m_d, i_h, 1.0, H, LD, USE_L2)
-        gl.store(dk_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dk.to(dk_v.dtype.element_ty), mask=m_dd)
+            gl.store(dk_o + (tok_d * H + i_h)[:, None] * D + o_d[None, :], dk.to(dk_o.dtype.element_ty), mask=m_dd)
+        else:
+            gl.store(dk_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dk.to(dk_v.dtype.element_ty),
+                     mask=m_dd)
+            # every thread's dQ / dK stores before the count (bar.sync, then one acq_rel gpu-scope atomic: the
+            # cooperative-groups grid-sync pattern); the last of the group reads the others' slots past L1 (.cg)
+            cta_barrier()
+            arrived = gl.atomic_add(counts + i_t * H + i_h, 1, sem="acq_rel", scope="gpu")
+            if arrived == GR - 1:
+                cta_barrier()
+                sq = zd
+                sk = zd
+                for j in gl.static_range(GR):
+                    p_j = (tok_d * HV + i_h * GR + j)[:, None] * D + o_d[None, :]
+                    sq += gl.load(dq_v + p_j, mask=m_dd, other=0.0, cache_modifier=".cg").to(gl.float32)
+                    sk += gl.load(dk_v + p_j, mask=m_dd, other=0.0, cache_modifier=".cg").to(gl.float32)
+                p_o = (tok_d * H + i_h)[:, None] * D + o_d[None, :]
+                sq = _l2_backward(sq, q_s, rq_in, tok_d, m_d, i_h, scale, H, LD, USE_L2)
+                gl.store(dq_o + p_o, sq.to(dq_o.dtype.element_ty), mask=m_dd)
+                sk = _l2_backward(sk, k_s, rk_in, tok_d, m_d, i_h, 1.0, H, LD, USE_L2)
+                gl.store(dk_o + p_o, sk.to(dk_o.dtype.element_ty), mask=m_dd)
         mbarrier.invalidate(bars.index(0))
         mbarrier.invalidate(bars.index(1))
 
@@ -312,23 +340,26 @@ def supported(q, k, v, do, v_new, dvn, ainv, h, gs, K: int, V: int) -> bool:
     return all(_rows2d(x) is not None for x in (q, k, v, do))
 
 
-def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v, dk_v, dv, dbeta, dg, cu_seqlens,
-                 chunk_indices, NT, scale, *, use_l2, final_qk=False):
-    """Launch the sm_90 parts kernel over (NT, HV) (``supported`` must have said yes); tensors as
-    ``parts.chunk_bwd_main``'s (beta contiguous [B, T, HV]). ``final_qk`` (HV = H): dq_v and dk_v are the final
-    dq, dk (q's and k's dtype) and no q/k kernel is needed."""
+def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, dk, dv, dbeta, dg, cu_seqlens,
+                 chunk_indices, NT, scale, *, use_l2, scratch=None):
+    """Launch the sm_90 parts kernel over NT x HV programs (``supported`` must have said yes); tensors as
+    ``parts.chunk_bwd_main``'s (beta contiguous [B, T, HV]). It writes the final dq, dk (q's and k's dtypes; no
+    q/k kernel runs after it); with HV > H it needs ``scratch``, dQ / dK per value head [B, T, HV, K] (any float
+    dtypes), through which the value heads of a key head are summed."""
     B, T, H, K = q.shape
     HV = v.shape[2]
+    dq_v, dk_v = scratch if HV > H else (dq, dk)
+    counts = torch.zeros(NT * H, dtype=torch.int32, device=q.device) if HV > H else g_cum   # g_cum: not read
     dn = _GL_DT[k.dtype]
     row = lambda x: _desc(_rows2d(x), (CHUNK, K), dn)   # noqa: E731
     flat = lambda x, w: _desc(x.view(B * T, -1), (CHUNK, w), dn)   # noqa: E731
     ph = g_cum
-    launch(_bwd_parts_sm90_kernel, (NT, HV),
+    launch(_bwd_parts_sm90_kernel, (NT * HV,),
         row(q), row(k), row(do), flat(v_new, K), flat(dvn, K), row(v), flat(ainv, CHUNK),
         _desc(h.view(-1, K), (K, K), dn), _desc(gs.view(-1, K), (K, K), dn),
-        g_cum, beta, rq if rq is not None else ph, rk if rk is not None else ph, dq_v, dk_v, dv, dbeta, dg,
-        cu_seqlens if cu_seqlens is not None else chunk_indices, chunk_indices, float(scale), T,
-        H=H, HV=HV, D=K, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, FINAL_QK=bool(final_qk), num_warps=8)
+        g_cum, beta, rq if rq is not None else ph, rk if rk is not None else ph, dq_v, dk_v, dq, dk, counts, dv,
+        dbeta, dg, cu_seqlens if cu_seqlens is not None else chunk_indices, chunk_indices, float(scale), T,
+        H=H, HV=HV, D=K, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, num_warps=8)
 
 
 __all__ = ["supported", "launch_parts"]

@@ -1,6 +1,7 @@
 """Backward step 3: the parallel per-chunk gradients. Part A (per chunk, value head and side: dQ, and dK through
 the output / state / WY-through-H terms), part B (the WY / UT-transform terms: dv, dbeta, dg, the rest of dK), then
-the q/k kernel (GVA sum over value heads, deterministic; the L2-norm backward). The math: :mod:`..backward`.
+the q/k kernel (GVA sum over value heads, deterministic; the L2-norm backward); on sm_90 all three are one Gluon
+kernel (:mod:`.hopper_parts`). The math: :mod:`..backward`.
 """
 from __future__ import annotations
 
@@ -266,7 +267,8 @@ def chunk_bwd_qk_kernel(
 
 
 def _qk_scratch(B, T, HV, K, dq_dtype, dk_dtype, dev):
-    """dQ (dot dtype) and dK (accumulator dtype) per value head [B, T, HV, K], summed by the q/k kernel."""
+    """dQ (dot dtype) and dK (accumulator dtype) per value head [B, T, HV, K], summed by the q/k kernel
+    (on sm_90 by the last value head of each key head's group in the parts kernel)."""
     return (torch.empty(B, T, HV, K, dtype=dq_dtype, device=dev), torch.empty(B, T, HV, K, dtype=dk_dtype, device=dev))
 
 
@@ -274,7 +276,7 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
                    use_qk_l2norm_in_kernel, *, g_dtype=None, chunk_index=None, rq=None, rk=None):
     """Parallel per-chunk gradients: kernel A (output/state terms, per value head and side), kernel B (WY terms:
     dv, dbeta, dg, dk terms) -- on sm_90 both as one Gluon kernel (``hopper_parts``, ``chunk_bwd.parts_sm90``) --,
-    then the q/k kernel (GVA sum, L2-norm backward; on sm_90 with HV = H the Gluon kernel finishes dq and dk itself).
+    then the q/k kernel (GVA sum, L2-norm backward; the sm_90 Gluon kernel does that part itself).
     Returns ``(dq, dk, dv, dbeta, dg)`` in the dtypes of q, k, v, beta and ``g_dtype`` (default g_cum's).
     ``v_new``'s dtype is the dot operand dtype. Scratch: dQ per value head [B, T, HV, K] (dot dtype), dK per value
     head (fp32), and for the portable pair four dg / dbeta slots [4, B, T, HV] (fp32)."""
@@ -304,26 +306,24 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     beta = beta.contiguous()
     ainv = ainv.contiguous()
     if cfg.parts_sm90 and hopper_parts.supported(q, k, v, do, v_new, dvn, ainv, h, gs, K, V):
-        final = HV == H   # no value heads to sum: the kernel finishes dq, dk itself (no scratch, no q/k kernel)
-        dq_v, dk_v = (dq, dk) if final else _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
-        hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq_v, dk_v, dv, dbeta,
-                                  dg, cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2, final_qk=final)
-        if final:
-            return dq, dk, dv, dbeta, dg
-    else:
-        dq_v, dk_v = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
-        dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
-        mm = dict(V=V, BV=_v_tile(V, dev), MM=_mm_dtype(v_new.dtype), PREC=_dot_precision(v_new.dtype, dev))
-        nw, ns = int(cfg.a_warps), int(cfg.a_stages)
-        launch(chunk_bwd_out_kernel, (NT, HV, 2),
-            q, k, g_cum, v_new, do, h, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, cu_seqlens,
-            ci.chunk_indices, float(scale), T, B * T * HV, *_strides(q), *_strides(k), *_strides(do),
-            num_warps=nw, num_stages=ns, **meta, **mm)
-        nw, ns = int(cfg.b_warps), int(cfg.b_stages)
-        launch(chunk_bwd_wy_kernel, (NT, HV),
-            k, v, g_cum, beta, ainv, v_new, dvn, rk, dv, dbeta, dg, dk_v, dg_part,
-            cu_seqlens, ci.chunk_indices, T, B * T * HV, *_strides(k), *_strides(v), num_warps=nw, num_stages=ns,
-            **meta, **mm)
+        # the kernel finishes dq, dk itself (no q/k kernel); with GVA through per-value-head scratch
+        scratch = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev) if HV > H else None
+        hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, dk, dv, dbeta, dg,
+                                  cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2, scratch=scratch)
+        return dq, dk, dv, dbeta, dg
+    dq_v, dk_v = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
+    dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
+    mm = dict(V=V, BV=_v_tile(V, dev), MM=_mm_dtype(v_new.dtype), PREC=_dot_precision(v_new.dtype, dev))
+    nw, ns = int(cfg.a_warps), int(cfg.a_stages)
+    launch(chunk_bwd_out_kernel, (NT, HV, 2),
+        q, k, g_cum, v_new, do, h, gs, rq, rk, dq_v, dk_v, dg_part, beta, ainv, dvn, cu_seqlens,
+        ci.chunk_indices, float(scale), T, B * T * HV, *_strides(q), *_strides(k), *_strides(do),
+        num_warps=nw, num_stages=ns, **meta, **mm)
+    nw, ns = int(cfg.b_warps), int(cfg.b_stages)
+    launch(chunk_bwd_wy_kernel, (NT, HV),
+        k, v, g_cum, beta, ainv, v_new, dvn, rk, dv, dbeta, dg, dk_v, dg_part,
+        cu_seqlens, ci.chunk_indices, T, B * T * HV, *_strides(k), *_strides(v), num_warps=nw, num_stages=ns,
+        **meta, **mm)
     launch(chunk_bwd_qk_kernel, (NT, H),
         q, k, rq, rk, dq_v, dk_v, dq, dk, cu_seqlens, ci.chunk_indices, float(scale), T, *_strides(q),
         *_strides(k), num_warps=4, **meta)
