@@ -447,3 +447,36 @@ def test_parts_dispatch_sm90(monkeypatch, HV):
         assert sq.shape == (B, T, HV, K) and sk.shape == (B, T, HV, K) and sk.dtype == torch.float32
     assert launched == []
     assert dq.shape == (B, T, H, K) and dk.dtype == x.k.dtype and dv.shape == x.v.shape
+
+
+@pytest.mark.parametrize("HV, local", [(32, True), (8, False)])
+def test_dv_local_in_reverse_sm90(monkeypatch, HV, local):
+    """chunk_bwd_dh where the unsegmented sm_90 reverse pass runs (support and device emulated, launches recorded):
+    with sequences x value heads >= ``chunk_bwd.dh_sm90_local_min_heads`` the Gluon pass computes dv_local itself
+    (``local=True``) and the dv_local kernel is not launched; with fewer heads that kernel runs first and the pass
+    reads its result."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import plan as plan_mod
+    from gdn.kernels.chunk.backward import reverse
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    dev = torch.device("cuda", 0)
+    monkeypatch.setitem(tuning._CAPS, 0, "sm_90")
+    monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
+    monkeypatch.setattr(reverse, "_num_sms", lambda d: 132)
+    monkeypatch.setattr(reverse.hopper, "supported", lambda *a: True)
+    passes, dvl = [], []
+    monkeypatch.setattr(reverse.hopper, "launch_dh_pass", lambda *a, **kw: passes.append(kw))
+    monkeypatch.setattr(reverse, "dv_local", lambda *a, **kw: dvl.append(a))
+    B, T, H, K = 1, 8192, 4, 128
+    x = torch.empty(1, 1, 1, K, dtype=torch.bfloat16)
+    ci = prepare_chunk_indices(None, T, 64, B, device=torch.device("cpu"))
+    rplan = reverse.reverse_plan(x, x, x, x, torch.bfloat16, ci, HV, K, K, dev)
+    assert reverse.runs_sm90(rplan, ci, HV, K)
+    q = torch.randn(B, T, H, K).bfloat16()
+    w = torch.randn(B, T, HV, K).bfloat16()
+    do = torch.randn(B, T, HV, K).bfloat16()
+    g_cum = torch.randn(B, T, HV)
+    reverse.chunk_bwd_dh(q, q, w, g_cum, do, None, 0.1, None, 64, True, False, chunk_index=ci, plan=rplan)
+    assert len(passes) == 1 and passes[0]["local"] is local and passes[0]["HAS_R"]
+    assert len(dvl) == (0 if local else 1)

@@ -165,9 +165,11 @@ def _counting_sm90_launches(module="hopper", name="launch_dh_pass"):
 def chunk_backward_reverse_sm90(device):
     """Hopper only: the Gluon reverse pass (gdn.kernels.chunk.backward.hopper) against the portable kernel on the same
     inputs: gs (gradient of every chunk's end state), dvn and dh0 of ``chunk_bwd_dh``; a ragged varlen batch with an
-    end-state gradient and the L2 norm, a batch without either, forced segments (the local, transition and final
-    passes: INIT 0 / 3 / 2), K = 64 with fp16 operands; GVA (HV = 2 H). Also that the Gluon kernel did run in every
-    case (and did not with it switched off)."""
+    end-state gradient and the L2 norm (gates near 1, and strong decay: g in [-8, -2], so e^(cL) underflows and
+    e^(-c) would overflow), a batch without either, forced segments (the local, transition and final passes: INIT
+    0 / 3 / 2), K = 64 with fp16 operands; GVA (HV = 2 H). Unsegmented, the Gluon pass computes dv_local itself
+    (the portable path: its own kernel). Also that the Gluon kernel did run in every case (and did not with it
+    switched off)."""
     if not _sm90_gluon_available(device):
         return []
     from ..kernels.chunk.backward.reverse import chunk_bwd_dh
@@ -177,28 +179,36 @@ def chunk_backward_reverse_sm90(device):
     s = _shapes(device)
     H, HV, V = s["H"], s["HV"], s["V"]
     out = []
-    for name, varlen, l2, with_dht, seg, K, dt in (
-            ("varlen dht l2", True, True, True, -1, s["K"], torch.bfloat16),
-            ("batch", False, False, False, -1, s["K"], torch.bfloat16),
-            ("varlen segments", True, True, True, 2, s["K"], torch.bfloat16),
-            ("K=64 fp16 varlen dht", True, True, True, -1, 64, torch.float16)):
+    near1 = (-0.002, -0.0005)
+    for name, varlen, l2, with_dht, seg, K, dt, g_range in (
+            ("varlen dht l2", True, True, True, -1, s["K"], torch.bfloat16, near1),
+            ("varlen dht l2 strong decay", True, True, True, -1, s["K"], torch.bfloat16, (-8.0, -2.0)),
+            ("batch", False, False, False, -1, s["K"], torch.bfloat16, near1),
+            ("varlen segments", True, True, True, 2, s["K"], torch.bfloat16, near1),
+            ("K=64 fp16 varlen dht", True, True, True, -1, 64, torch.float16, near1)):
         cu, B, T, N = _rows(device, s, varlen, (64,))
         # gates near 1 (g ~ -1e-3): the end-state gradient is carried across every chunk (with the default gates a
         # chunk decays it by ~e^-30, below fp32 resolution, and a wrong carry would go unseen)
-        x = make_inputs(B, T, H, HV, K, V, dtype=dt, device=device, g_range=(-0.002, -0.0005))
+        x = make_inputs(B, T, H, HV, K, V, dtype=dt, device=device, g_range=g_range)
         g_cum, _, w, _ = chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, l2, store_ainv=True, store_wu=True,
                                            ainv_dtype=dt)
         do = torch.randn(B, T, HV, V, device=device).to(dt)
         dht = torch.randn(N, HV, K, V, device=device) if with_dht else None
         res = []
-        for sm90 in (False, True):
-            with override("chunk_bwd", dh_sm90=sm90, segment_chunks=seg), _counting_sm90_launches() as calls:
+        # portable; Gluon reading dv_local from its kernel; Gluon computing it (unsegmented plans only)
+        for sm90, local_min in ((False, 0), (True, 10 ** 9), (True, 0)):
+            with override("chunk_bwd", dh_sm90=sm90, segment_chunks=seg, dh_sm90_local_min_heads=local_min), \
+                    _counting_sm90_launches() as calls:
                 res.append(chunk_bwd_dh(x.q, x.k, w, g_cum, do, dht, K ** -0.5, cu, 64, l2, True))
             ran = calls[0] >= (3 if seg > 0 else 1) if sm90 else calls[0] == 0
-            out.append(Result("chunk_backward", f"sm90 reverse {name}: Gluon {'ran' if sm90 else 'off'}",
+            mode = ("Gluon, dv_local in the kernel" if local_min == 0 else "Gluon") if sm90 else "Gluon off"
+            out.append(Result("chunk_backward", f"sm90 reverse {name}: {mode} {'as asked' if ran else 'NOT as asked'}",
                               0.0 if ran else float("inf"), 0.0))
-        for label, a, b in zip(("gs", "dvn", "dh0"), res[1], res[0]):
-            out.append(Result("chunk_backward", f"sm90 reverse vs portable {name} {label}", rel_err(a, b), 5e-3))
+        for label, a0, a1, b in zip(("gs", "dvn", "dh0"), res[1], res[2], res[0]):
+            out.append(Result("chunk_backward", f"sm90 reverse vs portable {name} {label}", rel_err(a0, b), 5e-3))
+            if seg < 0:
+                out.append(Result("chunk_backward", f"sm90 reverse (dv_local in the kernel) vs portable {name} {label}",
+                                  rel_err(a1, b), 5e-3))
     return out
 
 

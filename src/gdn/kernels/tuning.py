@@ -135,6 +135,10 @@ class ChunkBackward:
     dh_sm90: bool = True
     dh_sm90_stages: int = 2
     dh_sm90_plain_chunks: int = 512
+    # the unsegmented sm_90 pass computes dv_local itself (no dv_local kernel) where sequences x value heads >= this:
+    # it adds ~0.2-0.6 us to each chunk step of the chain and saves a kernel whose time grows with the heads (H100:
+    # a gain from 32 (16/32 1x32768 -2%, 64/64 -7%), a loss at 8 and 16; bench/NOTES.md, "Hopper reverse pass")
+    dh_sm90_local_min_heads: int = 24
     # sm_90: parts A and B of the per-chunk gradients as one Gluon kernel (gdn.kernels.chunk.backward.hopper_parts:
     # every tile of a (chunk, value head) by TMA once, asynchronous wgmma) where it supports the launch
     parts_sm90: bool = True

@@ -1,19 +1,23 @@
 """Hopper (sm_90) form of the backward's reverse pass (``reverse.chunk_bwd_dh_kernel``), written in Gluon on the
 design of the forward's state pass (``..hopper``): one CTA (4 warps) per (V tile, value head, segment), the chunks
-of the segment last to first; k, w, q, dO and dv_local of chunk c - 1 come by TMA into a 2-deep shared-memory ring
-while chunk c computes; the products are asynchronous warpgroup MMAs; G (the gradient of the state leaving the
-chunk, fp32 [K, BV]) stays in registers as the accumulator and leaves through a TMA store.
+of the segment last to first; k, w, q, dO (and dv_local, unless the kernel computes it: LOCAL) of chunk c - 1 come
+by TMA into a 2-deep shared-memory ring while chunk c computes; the products are asynchronous warpgroup MMAs; G
+(the gradient of the state leaving the chunk, fp32 [K, BV]) stays in registers as the accumulator and leaves
+through a TMA store.
 
 Per chunk (notation of :mod:`gdn.kernels.chunk.backward`; rows past the sequence's end masked)::
 
     gs[c] = bf16(G)                                                        (TMA store from shared memory)
     dVn   = dv_local + diag(e^(cL - c) r_k) (k @ G)         [64, BV]        k @ G: async wgmma, k and G in smem
     G     = e^cL G + q^T (diag(e^c r_q scale) dO) - w^T dVn [K, BV]         two async wgmma on one accumulator
+    dv_local = A dO,  A = (k q^T) * e^(c_j - c_i) scale r_k,i r_q,j  (j >= i, else 0)     (LOCAL: A in bf16 smem,
+               the product accumulates onto diag(e^(cL - c) r_k) (k @ G); else read from dvn)
 
-``q^T (f dO)`` does not depend on G: it is issued together with ``k @ G`` so that only ``k @ G``, the row update of
-dVn and ``w^T dVn`` are on the chain. The same flags as the portable kernel: INIT 0 zeros, 1 ``x0[sequence]``, 2
-``x0[segment]``, 3 identity (V = K: a segment's K x K transition, HAS_R False: no q / dO / dv_local terms);
-STORE_STEPS (gs and dvn), STORE_END (G entering the first chunk into ``xend`` by segment or sequence, fp32).
+``q^T (f dO)`` (and k q^T) do not depend on G: they are issued together with ``k @ G`` so that only ``k @ G``, the
+row update of dVn (with LOCAL: A's scaling, its smem store and ``A dO``) and ``w^T dVn`` are on the chain. The same
+flags as the portable kernel: INIT 0 zeros, 1 ``x0[sequence]``, 2 ``x0[segment]``, 3 identity (V = K: a segment's
+K x K transition, HAS_R False: no q / dO / dv_local terms); STORE_STEPS (gs and dvn), STORE_END (G entering the
+first chunk into ``xend`` by segment or sequence, fp32).
 
 Layouts: k, q [B*T, H*K] and dO [B*T, HV*V] as 2-D views (token rows, strided rows allowed, last dim contiguous);
 w [B*T, HV*K], dvn [B, T, HV, V] contiguous (read as dv_local, overwritten with dVn: a chunk's rows are read before
@@ -32,6 +36,7 @@ from ..hopper import CHUNK, _GL_DT, _desc, _rows2d
 if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through the version layer _gluon_api)
     from ..hopper import (_segment_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
                           tma_store, warpgroup_mma, warpgroup_mma_wait)
+    from .hopper_parts import _vec
 
     @gluon.jit
     def _rev_gates(gcum, rq_in, rk_in, row0, to, eos, tok0, i_h, i_hv, has_chunk, scale,
@@ -51,17 +56,37 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         return fk, fq, gl.exp(g_last)
 
     @gluon.jit
+    def _local_vectors(gcum, rq_in, rk_in, row0, eos, tok0, i_h, i_hv, has_chunk, scale,
+                       H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr, num_warps: gl.constexpr):
+        """Per-row vectors of dv_local's C x C tile ``(K Q^T)[i, j] e^(c_j - c_i) scale r_k,i r_q,j`` (j >= i) for
+        the chunk whose token rows are ``row0 + 0..63``: ``(c, scale r_k, r_q)``, 0 past the sequence, one element
+        per thread (they go through shared memory to the layouts of their uses: ``_vec``)."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        t = row0 + gl.arange(0, 64, layout=lay)
+        m = (t < eos) & has_chunk
+        c = gl.load(gcum + (tok0 + t) * HV + i_hv, mask=m, other=0.0)
+        fr = gl.where(m, scale, 0.0)
+        fc = gl.where(m, 1.0, 0.0)
+        if USE_L2:
+            fr = fr * gl.load(rk_in + (tok0 + t) * H + i_h, mask=m, other=0.0)
+            fc = fc * gl.load(rq_in + (tok0 + t) * H + i_h, mask=m, other=0.0)
+        return c, fr, fc
+
+    @gluon.jit
     def _issue_rev_loads(k_desc, w_desc, q_desc, do_desc, dl_desc, bar, k_buf, w_buf, q_buf, do_buf, dl_buf,
-                         row, col_k, col_w, col_v, pred, HAS_R: gl.constexpr, nbytes: gl.constexpr):
-        """TMA copies of one chunk's k, w [64, K] (and q [64, K], dO, dv_local [64, BV] when HAS_R) into one ring
-        stage, completing on ``bar``; nothing when ``pred`` is false (before the segment's first chunk)."""
+                         row, col_k, col_w, col_v, pred, HAS_R: gl.constexpr, LOCAL: gl.constexpr,
+                         nbytes: gl.constexpr):
+        """TMA copies of one chunk's k, w [64, K] (and q [64, K], dO [64, BV] when HAS_R, and dv_local [64, BV]
+        unless LOCAL) into one ring stage, completing on ``bar``; nothing when ``pred`` is false (before the
+        segment's first chunk)."""
         mbarrier.expect(bar, nbytes, pred=pred)
         tma_load(k_desc, [row, col_k], bar, k_buf, pred=pred)
         tma_load(w_desc, [row, col_w], bar, w_buf, pred=pred)
         if HAS_R:
             tma_load(q_desc, [row, col_k], bar, q_buf, pred=pred)
             tma_load(do_desc, [row, col_v], bar, do_buf, pred=pred)
-            tma_load(dl_desc, [row, col_v], bar, dl_buf, pred=pred)
+            if not LOCAL:
+                tma_load(dl_desc, [row, col_v], bar, dl_buf, pred=pred)
 
     @gluon.jit
     def _dh_pass_sm90_kernel(
@@ -69,11 +94,12 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         gcum, rq_in, rk_in, dvn, x0, xend, segments, cu_seqlens, chunk_offsets, scale, T,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr, HAS_R: gl.constexpr,
-        STORE_STEPS: gl.constexpr, STORE_END: gl.constexpr, END_BY_SEG: gl.constexpr, NS: gl.constexpr,
-        num_warps: gl.constexpr,
+        STORE_STEPS: gl.constexpr, STORE_END: gl.constexpr, END_BY_SEG: gl.constexpr, LOCAL: gl.constexpr,
+        NS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """The reverse pass of one (V tile, value head, segment) (module docstring); V is the state's column count
-        (K for the identity-started transitions)."""
+        (K for the identity-started transitions). LOCAL (with HAS_R): dv_local is computed here (module docstring)
+        instead of read from ``dvn``."""
         C: gl.constexpr = 64
         i_v = gl.program_id(0)
         i_hv = gl.program_id(1)
@@ -88,7 +114,10 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         if HAS_R:
             q_s = gl.allocate_shared_memory(dt, [NS, C, K], q_desc.layout)
             do_s = gl.allocate_shared_memory(dt, [NS, C, BV], do_desc.layout)
-            dl_s = gl.allocate_shared_memory(dt, [NS, C, BV], dl_desc.layout)
+            if LOCAL:
+                dl_s = k_s
+            else:
+                dl_s = gl.allocate_shared_memory(dt, [NS, C, BV], dl_desc.layout)
         else:
             q_s = k_s
             do_s = k_s
@@ -98,6 +127,9 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         op_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, BV], dt)
         fdo_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
         ndv_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
+        if LOCAL:
+            a_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
+            rv_s = gl.allocate_shared_memory(gl.float32, [4 * C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=1)
 
@@ -109,6 +141,11 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         ov = i_v * BV + gl.arange(0, BV, layout=cols_l)
         to = gl.arange(0, C, layout=rows_l)
         m_kv = (ok[:, None] < K) & (ov[None, :] < V)
+        mma_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        row_c: gl.constexpr = gl.SliceLayout(1, mma_c)
+        col_c: gl.constexpr = gl.SliceLayout(0, mma_c)
+        tr_c = gl.arange(0, C, layout=row_c)
+        tc_c = gl.arange(0, C, layout=col_c)
 
         # ---- G entering the last chunk (fp32 registers, the wgmma accumulator layout)
         if INIT == 3:
@@ -122,7 +159,9 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
             gr += gl.load(x0 + ((i_s * HV + i_hv) * K + ok[:, None]).to(gl.int64) * V + ov[None, :], mask=m_kv,
                           other=0.0).to(gl.float32)
 
-        if HAS_R:
+        if HAS_R and LOCAL:
+            nbytes: gl.constexpr = (3 * C * K + C * BV) * (dt.primitive_bitwidth // 8)
+        elif HAS_R:
             nbytes: gl.constexpr = (3 * C * K + 2 * C * BV) * (dt.primitive_bitwidth // 8)
         else:
             nbytes: gl.constexpr = 2 * C * K * (dt.primitive_bitwidth // 8)
@@ -133,9 +172,12 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         for j in gl.static_range(NS - 1):
             _issue_rev_loads(k_desc, w_desc, q_desc, do_desc, dl_desc, bars.index(j), k_s.index(j), w_s.index(j),
                              q_s.index(j), do_s.index(j), dl_s.index(j), tok0 + bos + (c_end - 1 - j) * C,
-                             col_k, col_w, col_v, c_end - 1 - j >= c_beg, HAS_R, nbytes)
+                             col_k, col_w, col_v, c_end - 1 - j >= c_beg, HAS_R, LOCAL, nbytes)
         fk_n, fq_n, el_n = _rev_gates(gcum, rq_in, rk_in, bos + (c_end - 1) * C, to, eos, tok0, i_h, i_hv,
                                       c_end > c_beg, scale, H, HV, USE_L2)
+        if LOCAL:
+            lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c_end - 1) * C, eos, tok0, i_h, i_hv,
+                                              c_end > c_beg, scale, H, HV, USE_L2, num_warps)
         zero = gl.zeros([C, BV], gl.float32, layout=mma)
         for it in range(0, c_end - c_beg):
             c = c_end - 1 - it
@@ -146,12 +188,20 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
             _issue_rev_loads(k_desc, w_desc, q_desc, do_desc, dl_desc, bars.index(sf), k_s.index(sf),
                              w_s.index(sf), q_s.index(sf), do_s.index(sf), dl_s.index(sf),
                              tok0 + bos + (c - NS + 1) * C, col_k, col_w, col_v, c - NS + 1 >= c_beg, HAS_R,
-                             nbytes)
+                             LOCAL, nbytes)
             fk = fk_n
             fq = fq_n
             e_last = el_n
             fk_n, fq_n, el_n = _rev_gates(gcum, rq_in, rk_in, bos + (c - 1) * C, to, eos, tok0, i_h, i_hv,
                                           c > c_beg, scale, H, HV, USE_L2)
+            if LOCAL:
+                # this chunk's vectors into rv_s (its last readers, the previous step's, are past two barriers);
+                # visible to every warp after the barrier in front of k @ G
+                rv_s.slice(0, C).store(lc_n)
+                rv_s.slice(C, C).store(lr_n)
+                rv_s.slice(2 * C, C).store(lq_n)
+                lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c - 1) * C, eos, tok0, i_h, i_hv,
+                                                  c > c_beg, scale, H, HV, USE_L2, num_warps)
             rows = bos + c * C + to
             m = rows < eos
 
@@ -169,7 +219,24 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
                 tma_store(gs_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], g_s)
             kg = warpgroup_mma(k_s.index(s), g_s, zero, use_acc=False, is_async=True)
             acc = gr * e_last
-            if HAS_R:
+            if HAS_R and LOCAL:
+                # dv_local = A dO with A = (k q^T) * e^(c_j - c_i) scale r_k,i r_q,j for j >= i (0 past the end),
+                # accumulated onto the k @ G term; q^T (fq dO) issued after it (not needed before w^T dVn)
+                kq = warpgroup_mma(k_s.index(s), q_s.index(s).permute((1, 0)),
+                                   gl.zeros([C, C], gl.float32, layout=mma_c), use_acc=False, is_async=True)
+                kg, kq = warpgroup_mma_wait(0, deps=[kg, kq])
+                up = (tc_c[None, :] >= tr_c[:, None]) & (tc_c[None, :] < eos - (bos + c * C))
+                ed = _vec(rv_s, 0, col_c)[None, :] - _vec(rv_s, 0, row_c)[:, None]
+                a = gl.where(up, kq * gl.exp(gl.where(up, ed, 0.0)), 0.0)
+                a = a * _vec(rv_s, 1, row_c)[:, None] * _vec(rv_s, 2, col_c)[None, :]
+                a_s.store(a.to(dt))
+                fence_async_shared()
+                cta_barrier()
+                dv = warpgroup_mma(a_s, do_s.index(s), kg * fk[:, None], is_async=True)
+                acc = warpgroup_mma(q_s.index(s).permute((1, 0)), fdo_s, acc, is_async=True)
+                dv = warpgroup_mma_wait(1, deps=[dv])
+                dv = gl.where(m[:, None], dv, 0.0)
+            elif HAS_R:
                 acc = warpgroup_mma(q_s.index(s).permute((1, 0)), fdo_s, acc, is_async=True)
                 dl = dl_s.index(s).load(mma).to(gl.float32)
                 kg = warpgroup_mma_wait(1, deps=[kg])
@@ -215,10 +282,11 @@ def supported(q, k, do, w, state_dtype, K: int, V: int) -> bool:
 
 
 def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments, chunk_offsets, cu_seqlens, scale,
-                   T, *, H, HV, K, V, BV, use_l2, INIT, HAS_R, STORE_STEPS, STORE_END, END_BY_SEG, stages=2):
+                   T, *, H, HV, K, V, BV, use_l2, INIT, HAS_R, STORE_STEPS, STORE_END, END_BY_SEG, local=False,
+                   stages=2):
     """Launch the sm_90 reverse pass over ``grid`` = (V // BV, HV, segments) (``supported`` must have said yes);
-    arguments and flags as the portable ``chunk_bwd_dh_kernel``'s (``V`` = K for INIT 3). Unused tensors may be
-    None."""
+    arguments and flags as the portable ``chunk_bwd_dh_kernel``'s (``V`` = K for INIT 3). ``local`` (with HAS_R):
+    compute dv_local in the kernel instead of reading it from ``dvn``. Unused tensors may be None."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
@@ -226,7 +294,7 @@ def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments
     if HAS_R:
         q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
         do_desc = _desc(_rows2d(do), (CHUNK, BV), dn)
-        dl_desc = _desc(dvn.view(B * T, -1), (CHUNK, BV), dn)
+        dl_desc = do_desc if local else _desc(dvn.view(B * T, -1), (CHUNK, BV), dn)
     else:
         q_desc = do_desc = dl_desc = k_desc
     gs_desc = _desc(gs.view(-1, gs.shape[-1]), (K, BV), dn)
@@ -236,7 +304,8 @@ def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments
         g_cum, rq if rq is not None else ph, rk if rk is not None else ph, dvn, x0 if x0 is not None else ph,
         xend if xend is not None else ph, segments, cu_seqlens if cu_seqlens is not None else segments, chunk_offsets, float(scale), T,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, INIT=INIT, HAS_R=HAS_R,
-        STORE_STEPS=STORE_STEPS, STORE_END=STORE_END, END_BY_SEG=END_BY_SEG, NS=stages, num_warps=4)
+        STORE_STEPS=STORE_STEPS, STORE_END=STORE_END, END_BY_SEG=END_BY_SEG, LOCAL=bool(local and HAS_R),
+        NS=stages, num_warps=4)
 
 
 __all__ = ["supported", "launch_dh_pass"]

@@ -184,7 +184,8 @@ def _dh_config(V: int, device):
 def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, need_dh0,
                  state_dtype=None, chunk_index=None, segment_chunks: Optional[int] = None, rq=None, rk=None,
                  plan=None):
-    """Reverse state-gradient pass (dv_local, then the reverse pass).
+    """Reverse state-gradient pass (dv_local, then the reverse pass; the unsegmented sm_90 pass computes dv_local
+    itself).
 
     q, k [B, T, H, K] raw (strided ok), w [B, T, HV, K] (forward's w, its dtype is the dot operand dtype),
     g_cum [B, T, HV] chunk-local cumsum, do [B, T, HV, V], dht None or [N, HV, K, V].
@@ -218,9 +219,14 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     meta = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None, L2NORM=l2, ACC=_acc_dtype(q.dtype),
                 MM=_mm_dtype(w.dtype), PREC=_dot_precision(w.dtype, dev))
     args = (cu_seqlens, float(scale), T, *_strides(q), *_strides(k), *_strides(do))
-    dv_local(q, k, g_cum, do, rq, rk, dvn, ci, cu_seqlens, args[1], T, args[3:], meta)
     BV, nw, ns = _dh_config(V, dev)
-    seg, sm90 = plan if plan is not None else reverse_plan(q, k, do, w, sdt, ci, HV, K, V, dev, segment_chunks)
+    plan = plan if plan is not None else reverse_plan(q, k, do, w, sdt, ci, HV, K, V, dev, segment_chunks)
+    seg, sm90 = plan
+    # the unsegmented sm_90 pass computes dv_local itself where there are enough sequences x heads
+    # (chunk_bwd.dh_sm90_local_min_heads); otherwise its own kernel writes it into dvn first
+    local = runs_sm90(plan, ci, HV, V) and ci.N * HV >= int(tuning.chunk_bwd(dev).dh_sm90_local_min_heads)
+    if not local:
+        dv_local(q, k, g_cum, do, rq, rk, dvn, ci, cu_seqlens, args[1], T, args[3:], meta)
     segs = plan_segments(ci, seg, dev)
     S, segments, seg_offsets = segs.S, segs.segments, segs.seg_offsets
     common = dict(meta, num_warps=nw, num_stages=ns)
@@ -233,7 +239,7 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
         if bv9:
             hopper.launch_dh_pass((VC // bv9, HV, S), q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments,
                                   ci.chunk_offsets, cu_seqlens, scale, T, H=H, HV=HV, K=K, V=VC, BV=bv9, use_l2=l2,
-                                  stages=stages9, **flags)
+                                  local=local, stages=stages9, **flags)
             return
         bv = BV if VC == V else min(BV, BK)
         launch(chunk_bwd_dh_kernel, (cdiv(VC, bv), HV, S),
