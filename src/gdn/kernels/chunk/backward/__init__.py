@@ -113,9 +113,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     [N, HV, K, V]; do [B, T, HV, V]; dht None or [N, HV, K, V]. dq/dk are summed over each q/k head's value heads;
     grads come back in the inputs' dtypes; dh0 is fp32 [N, HV, K, V], or None without initial_state.
 
-    Pipeline: W / U from the forward's Ainv (``recompute_w_u``; the whole ``chunk_fwd_prepare`` when ``ainv`` is not
-    given) -> the forward state pass (h, v_new; on a side CUDA stream) concurrently with ``chunk_bwd_dh`` (dv_local,
-    then the reverse pass; needs only w and g_cum) -> ``chunk_bwd_main`` (parts A and B, the q/k kernel).
+    Pipeline: W from the forward's Ainv (``recompute_w_u``; the whole ``chunk_fwd_prepare``, W and U, when ``ainv``
+    is not given) -> the forward state pass (h, v_new from k, v, beta and Ainv as in the forward, or from W and U;
+    on a side CUDA stream) concurrently with ``chunk_bwd_dh`` (dv_local, then the reverse pass; needs only w and
+    g_cum) -> ``chunk_bwd_main`` (parts A and B, the q/k kernel).
     Intermediates saved by the forward can be passed in (``g_cum``, ``ainv``, ``w``, ``u``, ``h``, ``v_new``, ``rq``,
     ``rk``, as returned by gdn.kernels.chunk.forward) to skip their recomputation.
     ``segment_chunks``: reverse-pass segmentation (None heuristic, -1 off, n chunks per segment).
@@ -130,8 +131,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     if g_cum is None or ainv is None:
         g_cum, ainv, w, u = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, C, l2, store_ainv=True, store_wu=True,
                                                 chunk_index=ci, ainv_dtype=_dot_dtype(k, v))
-    elif w is None or (need_h and u is None):
-        w, u = recompute_w_u(k, v, beta, ainv, g_cum, cu_seqlens, C, l2, chunk_index=ci, store_u=need_h)
+    elif w is None:
+        # w only: the forward states are recomputed from k, v, beta and Ainv as the forward computed them (u unused)
+        w, _ = recompute_w_u(k, v, beta, ainv, g_cum, cu_seqlens, C, l2, chunk_index=ci, store_u=False)
+        u = None
     h_dtype = h.dtype if h is not None else (torch.float32 if tuning.chunk_fwd(dev).h_dtype == "fp32"
                                                         else w.dtype)
 
@@ -140,6 +143,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
         rk = l2_rnorm(k) if rk is None else rk
 
     def state_pass(buffers=None):
+        if u is None:   # v_new = Ainv (beta (v - (e^c k_hat) h)), the forward's own form
+            return chunk_state_pass(k, None, None, g_cum, initial_state, False, cu_seqlens, C, l2, v=v, beta=beta,
+                                    ainv=ainv, h_dtype=h_dtype, vnew_dtype=w.dtype, chunk_index=ci, rk=rk,
+                                    buffers=buffers)[:2]
         return chunk_state_pass(k, w, u, g_cum, initial_state, False, cu_seqlens, C, l2, h_dtype=h_dtype,
                                 chunk_index=ci, rk=rk, buffers=buffers)[:2]
 
@@ -156,7 +163,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
         # cur waits for it. (With record_stream instead, their frees were deferred and the caching allocator took
         # fresh device memory on every call while the host ran ahead of the GPU.)
         h = _empty(ci.NT, v.shape[2], K, v.shape[3], device=dev, dtype=h_dtype)
-        v_new = _empty(*u.shape, device=dev, dtype=u.dtype)
+        v_new = _empty(*v.shape, device=dev, dtype=w.dtype)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             state_pass((h, v_new))
