@@ -31,6 +31,14 @@ itself), or ``bench/sweeps.json`` when present::
          "timeout_s": 120}                     # any command, run from the repo root; {out} and $OUT: its own folder
      ]}
 
+Triton cache between calls (``--triton-cache FILE``): every call of the device tool starts a fresh machine, whose
+cold compiles took a third of a session's device time. With the option the stages compile into one cache folder
+(``TRITON_CACHE_DIR``), restored first from FILE when it exists (a .tgz carried with the call), and written back after
+every stage to ``$OUT/triton-cache.tgz`` with only what Triton loads a kernel from (metadata .json, the .cubin, the
+compiled launchers .so; ~6 MB for the whole gdn check + profile set). Copy that file over FILE before the next call::
+
+    python3 bench/gpu_session.py --triton-cache .scratch/triton-cache.tgz ...   # carry .scratch
+
 Each bench variant writes ``$OUT/sweep/<gpu>[-quick]-<name>.json``; the summary compares gdn's time per case across
 the main run and the variants. To continue a benchmark record from an earlier session, carry its JSON in the tree and
 pass ``--bench-args="--resume-from bench/results/<gpu>.json"``. Tunables are the fields of the tuning tables
@@ -122,6 +130,43 @@ def _tail(path: str, n: int = 3) -> str:
         return " | ".join(lines[-n:])[-300:]
     except OSError:
         return ""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton cache carried between calls
+# ----------------------------------------------------------------------------------------------------------------------
+CACHE_KEEP = (".json", ".cubin", ".so")   # what Triton reads back for a cached kernel (the IR files are not needed)
+
+
+def restore_triton_cache(tgz: str, cache_dir: str) -> int:
+    """Unpack a cache written by :func:`save_triton_cache` into ``cache_dir``; returns the number of files."""
+    import tarfile
+
+    os.makedirs(cache_dir, exist_ok=True)
+    if not os.path.isfile(tgz):
+        return 0
+    with tarfile.open(tgz, "r:gz") as t:
+        members = [m for m in t.getmembers() if m.isfile() and not m.name.startswith("/") and ".." not in m.name]
+        t.extractall(cache_dir, members=members)
+    return len(members)
+
+
+def save_triton_cache(cache_dir: str, tgz: str) -> int:
+    """Write the loadable part of a Triton cache folder (``CACHE_KEEP`` suffixes) to ``tgz``; returns the file
+    count. A group file lists every stage's IR too; Triton skips the listed files that are missing."""
+    import tarfile
+
+    n = 0
+    tmp = tgz + ".part"
+    with tarfile.open(tmp, "w:gz") as t:
+        for root, _, files in os.walk(cache_dir):
+            for f in sorted(files):
+                if f.endswith(CACHE_KEEP):
+                    path = os.path.join(root, f)
+                    t.add(path, arcname=os.path.relpath(path, cache_dir))
+                    n += 1
+    os.replace(tmp, tgz)
+    return n
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -418,12 +463,18 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", default=None, help="sweep config (JSON file or inline JSON); else $GDN_SWEEP, "
                                                  "else bench/sweeps.json")
     p.add_argument("--sweep-s", type=float, default=120.0, help="time kept for the sweeps when one is configured")
+    p.add_argument("--triton-cache", default=None, help="a .tgz Triton cache to start from (when it exists); the "
+                                                        "stages' cache is written to $OUT/triton-cache.tgz")
     args = p.parse_args(argv)
     args.stages = [x.strip() for x in args.stages.split(",") if x.strip()]
     bad = [x for x in args.stages if x not in STAGES]
     if bad:
         p.error(f"--stages: unknown {bad}; expected a subset of {STAGES}")
     s = Session(os.path.abspath(args.out), args.budget_s)
+    cache_dir = None
+    if args.triton_cache:
+        cache_dir = s.env["TRITON_CACHE_DIR"] = os.path.join(tempfile.gettempdir(), "gdn-triton-cache")
+        s.record("triton cache", "ok", 0, f"{restore_triton_cache(args.triton_cache, cache_dir)} files restored")
     sweep = load_sweep(args)
     done_sweep = []
     for name in STAGES:
@@ -445,6 +496,8 @@ def main(argv=None) -> int:
                 done_sweep = stage_sweep(s, args, sweep)
         except Exception as e:   # a stage's own failure never ends the session
             s.record(name, "error", 0, f"{type(e).__name__}: {e}")
+        if cache_dir:
+            save_triton_cache(cache_dir, os.path.join(s.out, "triton-cache.tgz"))
     summarize(s, done_sweep)
     bad_stage = [st for st in s.stages if not (st[1] == "ok" or st[1].startswith("skipped")
                                                or re.fullmatch(r"(\d+)/\1 ok", st[1]))]

@@ -577,3 +577,35 @@ def test_profile_host_times_rows(monkeypatch):
     assert [(r["shape"], r["mode"]) for r in rows] == [("2x33:1/2", "fwd"), ("2x33:1/2", "fwd+bwd")]
     assert all(r["host_ms"] > 0 and r["wall_ms"] > 0 for r in rows)
     assert rows[1]["wall_ms"] > rows[0]["wall_ms"]
+
+
+def test_gpu_session_carries_a_triton_cache(tmp_path, monkeypatch):
+    """--triton-cache: the stages run with TRITON_CACHE_DIR set to a folder restored from the given .tgz, and the
+    folder's loadable files (metadata, cubin, launcher .so; not the IR) come back as $OUT/triton-cache.tgz."""
+    import tarfile
+
+    gs = _session_module()
+    src = tmp_path / "cache"
+    (src / "abc").mkdir(parents=True)
+    for name in ("k.json", "__grp__k.json", "k.cubin", "k.ptx", "k.ttgir", "k.llir", "k.source"):
+        (src / "abc" / name).write_text(name)
+    (src / "launcher").mkdir()
+    (src / "launcher" / "cuda_utils.so").write_text("so")
+    first = tmp_path / "first.tgz"
+    assert gs.save_triton_cache(str(src), str(first)) == 4
+    with tarfile.open(first) as t:
+        assert sorted(t.getnames()) == ["abc/__grp__k.json", "abc/k.cubin", "abc/k.json", "launcher/cuda_utils.so"]
+    out = tmp_path / "out"
+    monkeypatch.setattr(gs.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    # a sweep stage that sees the restored files through TRITON_CACHE_DIR and adds one kernel of its own
+    code = ("import os; d = os.environ['TRITON_CACHE_DIR']; print(sorted(os.listdir(os.path.join(d, 'abc')))); "
+            "os.makedirs(os.path.join(d, 'new'), exist_ok=True); "
+            "open(os.path.join(d, 'new', 'n.cubin'), 'w').write('c')")
+    sweep = json.dumps({"variants": [{"name": "v", "cmd": [sys.executable, "-c", code]}]})
+    rc = gs.main(["--out", str(out), "--stages", "sweep", "--sweep", sweep, "--budget-s", "60",
+                  "--triton-cache", str(first)])
+    assert rc == 0
+    assert "['__grp__k.json', 'k.cubin', 'k.json']" in open(out / "sweep" / "v" / "log.txt").read()
+    with tarfile.open(out / "triton-cache.tgz") as t:
+        assert "new/n.cubin" in t.getnames() and "abc/k.cubin" in t.getnames()
+    assert gs.restore_triton_cache(str(tmp_path / "missing.tgz"), str(tmp_path / "x")) == 0
