@@ -73,6 +73,19 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         return c, fr, fc
 
     @gluon.jit
+    def _form_a(kq, rv, n_rows, C: gl.constexpr, lay: gl.constexpr):
+        """dv_local's C x C tile from ``kq = k q^T`` (fp32, layout ``lay``) and the chunk's vectors in ``rv`` (c, scale
+        r_k, r_q: ``_local_vectors``): ``kq[i, j] e^(c_j - c_i) scale r_k,i r_q,j`` for i <= j < n_rows, else 0."""
+        row_l: gl.constexpr = gl.SliceLayout(1, lay)
+        col_l: gl.constexpr = gl.SliceLayout(0, lay)
+        tr = gl.arange(0, C, layout=row_l)
+        tc = gl.arange(0, C, layout=col_l)
+        up = (tc[None, :] >= tr[:, None]) & (tc[None, :] < n_rows)
+        ed = _vec(rv, 0, col_l)[None, :] - _vec(rv, 0, row_l)[:, None]
+        a = gl.where(up, kq * gl.exp(gl.where(up, ed, 0.0)), 0.0)
+        return a * _vec(rv, 1, row_l)[:, None] * _vec(rv, 2, col_l)[None, :]
+
+    @gluon.jit
     def _issue_rev_loads(k_desc, w_desc, q_desc, do_desc, dl_desc, bar, k_buf, w_buf, q_buf, do_buf, dl_buf,
                          row, col_k, col_w, col_v, pred, HAS_R: gl.constexpr, LOCAL: gl.constexpr,
                          nbytes: gl.constexpr):
@@ -99,7 +112,9 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
     ):
         """The reverse pass of one (V tile, value head, segment) (module docstring); V is the state's column count
         (K for the identity-started transitions). LOCAL (with HAS_R): dv_local is computed here (module docstring)
-        instead of read from ``dvn``."""
+        instead of read from ``dvn``: 1 A of chunk c formed in step c, 2 A of chunk c - 1 formed at the end of step c
+        (its k q^T issued in front of ``w^T dVn``, the scaling done while that runs), so step c - 1 only adds
+        ``A dO``."""
         C: gl.constexpr = 64
         i_v = gl.program_id(0)
         i_hv = gl.program_id(1)
@@ -129,7 +144,10 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         ndv_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
         if LOCAL:
             a_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
-            rv_s = gl.allocate_shared_memory(gl.float32, [4 * C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            # per-chunk vectors of A: one buffer (LOCAL 1), two by chunk parity (LOCAL 2: chunk c - 1's are written
+            # while chunk c's may still be read)
+            rv2 = gl.allocate_shared_memory(gl.float32, [2, 4 * C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            rv_s = rv2.index(0)
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=1)
 
@@ -142,10 +160,6 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         to = gl.arange(0, C, layout=rows_l)
         m_kv = (ok[:, None] < K) & (ov[None, :] < V)
         mma_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
-        row_c: gl.constexpr = gl.SliceLayout(1, mma_c)
-        col_c: gl.constexpr = gl.SliceLayout(0, mma_c)
-        tr_c = gl.arange(0, C, layout=row_c)
-        tc_c = gl.arange(0, C, layout=col_c)
 
         # ---- G entering the last chunk (fp32 registers, the wgmma accumulator layout)
         if INIT == 3:
@@ -178,6 +192,19 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         if LOCAL:
             lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c_end - 1) * C, eos, tok0, i_h, i_hv,
                                               c_end > c_beg, scale, H, HV, USE_L2, num_warps)
+        if LOCAL == 2:   # A of the last chunk (stage 0, phase 0) before the loop; the loop forms the next ones
+            rvb = rv2.index((c_end + 1) % 2)
+            rvb.slice(0, C).store(lc_n)
+            rvb.slice(C, C).store(lr_n)
+            rvb.slice(2 * C, C).store(lq_n)
+            lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c_end - 2) * C, eos, tok0, i_h, i_hv,
+                                              c_end - 1 > c_beg, scale, H, HV, USE_L2, num_warps)
+            mbarrier.wait(bars.index(0), 0, pred=c_end > c_beg)
+            cta_barrier()
+            kq = warpgroup_mma(k_s.index(0), q_s.index(0).permute((1, 0)),
+                               gl.zeros([C, C], gl.float32, layout=mma_c), use_acc=False, is_async=True)
+            kq = warpgroup_mma_wait(0, deps=[kq])
+            a_s.store(_form_a(kq, rvb, eos - (bos + (c_end - 1) * C), C, mma_c).to(dt))
         zero = gl.zeros([C, BV], gl.float32, layout=mma)
         for it in range(0, c_end - c_beg):
             c = c_end - 1 - it
@@ -194,7 +221,15 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
             e_last = el_n
             fk_n, fq_n, el_n = _rev_gates(gcum, rq_in, rk_in, bos + (c - 1) * C, to, eos, tok0, i_h, i_hv,
                                           c > c_beg, scale, H, HV, USE_L2)
-            if LOCAL:
+            if LOCAL == 2:
+                # chunk c - 1's vectors into their buffer (chunk c + 1's, last read in step c + 1's middle)
+                rvb = rv2.index((c + 1) % 2)
+                rvb.slice(0, C).store(lc_n)
+                rvb.slice(C, C).store(lr_n)
+                rvb.slice(2 * C, C).store(lq_n)
+                lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c - 2) * C, eos, tok0, i_h, i_hv,
+                                                  c - 1 > c_beg, scale, H, HV, USE_L2, num_warps)
+            if LOCAL == 1:
                 # this chunk's vectors into rv_s (its last readers, the previous step's, are past two barriers);
                 # visible to every warp after the barrier in front of k @ G
                 rv_s.slice(0, C).store(lc_n)
@@ -219,17 +254,19 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
                 tma_store(gs_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], g_s)
             kg = warpgroup_mma(k_s.index(s), g_s, zero, use_acc=False, is_async=True)
             acc = gr * e_last
-            if HAS_R and LOCAL:
+            if LOCAL == 2:
+                # A of this chunk is in a_s (formed at the end of the previous step, or before the loop)
+                dv = warpgroup_mma(a_s, do_s.index(s), zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma(q_s.index(s).permute((1, 0)), fdo_s, acc, is_async=True)
+                kg, dv = warpgroup_mma_wait(1, deps=[kg, dv])
+                dv = gl.where(m[:, None], kg * fk[:, None] + dv, 0.0)
+            elif LOCAL == 1:
                 # dv_local = A dO with A = (k q^T) * e^(c_j - c_i) scale r_k,i r_q,j for j >= i (0 past the end),
                 # accumulated onto the k @ G term; q^T (fq dO) issued after it (not needed before w^T dVn)
                 kq = warpgroup_mma(k_s.index(s), q_s.index(s).permute((1, 0)),
                                    gl.zeros([C, C], gl.float32, layout=mma_c), use_acc=False, is_async=True)
                 kg, kq = warpgroup_mma_wait(0, deps=[kg, kq])
-                up = (tc_c[None, :] >= tr_c[:, None]) & (tc_c[None, :] < eos - (bos + c * C))
-                ed = _vec(rv_s, 0, col_c)[None, :] - _vec(rv_s, 0, row_c)[:, None]
-                a = gl.where(up, kq * gl.exp(gl.where(up, ed, 0.0)), 0.0)
-                a = a * _vec(rv_s, 1, row_c)[:, None] * _vec(rv_s, 2, col_c)[None, :]
-                a_s.store(a.to(dt))
+                a_s.store(_form_a(kq, rv_s, eos - (bos + c * C), C, mma_c).to(dt))
                 fence_async_shared()
                 cta_barrier()
                 dv = warpgroup_mma(a_s, do_s.index(s), kg * fk[:, None], is_async=True)
@@ -251,7 +288,18 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
             fence_async_shared()
             cta_barrier()
             # ---- G = e^cL G + q^T (fq dO) - w^T dVn
-            acc = warpgroup_mma(w_s.index(s).permute((1, 0)), ndv_s, acc, is_async=True)
+            if LOCAL == 2:
+                # k q^T of chunk c - 1 (its stage was asked for at the top of this step) in front of w^T dVn, and
+                # its A formed while w^T dVn runs (skipped loads at the segment's first chunk: A unused)
+                s1 = (it + 1) % NS
+                mbarrier.wait(bars.index(s1), ((it + 1) // NS) & 1, pred=c > c_beg)
+                kq = warpgroup_mma(k_s.index(s1), q_s.index(s1).permute((1, 0)),
+                                   gl.zeros([C, C], gl.float32, layout=mma_c), use_acc=False, is_async=True)
+                acc = warpgroup_mma(w_s.index(s).permute((1, 0)), ndv_s, acc, is_async=True)
+                kq = warpgroup_mma_wait(1, deps=[kq])
+                a_s.store(_form_a(kq, rv2.index((c + 1) % 2), eos - (bos + (c - 1) * C), C, mma_c).to(dt))
+            else:
+                acc = warpgroup_mma(w_s.index(s).permute((1, 0)), ndv_s, acc, is_async=True)
             gr = warpgroup_mma_wait(0, deps=[acc])
 
         if STORE_STEPS:
@@ -286,7 +334,8 @@ def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments
                    stages=2):
     """Launch the sm_90 reverse pass over ``grid`` = (V // BV, HV, segments) (``supported`` must have said yes);
     arguments and flags as the portable ``chunk_bwd_dh_kernel``'s (``V`` = K for INIT 3). ``local`` (with HAS_R):
-    compute dv_local in the kernel instead of reading it from ``dvn``. Unused tensors may be None."""
+    compute dv_local in the kernel instead of reading it from ``dvn`` (1, or 2: each chunk's A formed in the step
+    before; the kernel's LOCAL). Unused tensors may be None."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
@@ -304,7 +353,7 @@ def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments
         g_cum, rq if rq is not None else ph, rk if rk is not None else ph, dvn, x0 if x0 is not None else ph,
         xend if xend is not None else ph, segments, cu_seqlens if cu_seqlens is not None else segments, chunk_offsets, float(scale), T,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, INIT=INIT, HAS_R=HAS_R,
-        STORE_STEPS=STORE_STEPS, STORE_END=STORE_END, END_BY_SEG=END_BY_SEG, LOCAL=bool(local and HAS_R),
+        STORE_STEPS=STORE_STEPS, STORE_END=STORE_END, END_BY_SEG=END_BY_SEG, LOCAL=int(local) if HAS_R else 0,
         NS=stages, num_warps=4)
 
 
