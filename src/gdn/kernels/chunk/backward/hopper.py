@@ -73,6 +73,13 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         return c, fr, fc
 
     @gluon.jit
+    def _store_vectors(rv, v_c, v_r, v_q, C: gl.constexpr):
+        """``_local_vectors``' three vectors into the shared tile ``rv`` (read back by ``_vec`` 0, 1, 2)."""
+        rv.slice(0, C).store(v_c)
+        rv.slice(C, C).store(v_r)
+        rv.slice(2 * C, C).store(v_q)
+
+    @gluon.jit
     def _form_a(kq, rv, n_rows, C: gl.constexpr, lay: gl.constexpr):
         """dv_local's C x C tile from ``kq = k q^T`` (fp32, layout ``lay``) and the chunk's vectors in ``rv`` (c, scale
         r_k, r_q: ``_local_vectors``): ``kq[i, j] e^(c_j - c_i) scale r_k,i r_q,j`` for i <= j < n_rows, else 0."""
@@ -194,9 +201,7 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
                                               c_end > c_beg, scale, H, HV, USE_L2, num_warps)
         if LOCAL == 2:   # A of the last chunk (stage 0, phase 0) before the loop; the loop forms the next ones
             rvb = rv2.index((c_end + 1) % 2)
-            rvb.slice(0, C).store(lc_n)
-            rvb.slice(C, C).store(lr_n)
-            rvb.slice(2 * C, C).store(lq_n)
+            _store_vectors(rvb, lc_n, lr_n, lq_n, C)
             lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c_end - 2) * C, eos, tok0, i_h, i_hv,
                                               c_end - 1 > c_beg, scale, H, HV, USE_L2, num_warps)
             mbarrier.wait(bars.index(0), 0, pred=c_end > c_beg)
@@ -223,18 +228,13 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
                                           c > c_beg, scale, H, HV, USE_L2)
             if LOCAL == 2:
                 # chunk c - 1's vectors into their buffer (chunk c + 1's, last read in step c + 1's middle)
-                rvb = rv2.index((c + 1) % 2)
-                rvb.slice(0, C).store(lc_n)
-                rvb.slice(C, C).store(lr_n)
-                rvb.slice(2 * C, C).store(lq_n)
+                _store_vectors(rv2.index((c + 1) % 2), lc_n, lr_n, lq_n, C)
                 lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c - 2) * C, eos, tok0, i_h, i_hv,
                                                   c - 1 > c_beg, scale, H, HV, USE_L2, num_warps)
             if LOCAL == 1:
                 # this chunk's vectors into rv_s (its last readers, the previous step's, are past two barriers);
                 # visible to every warp after the barrier in front of k @ G
-                rv_s.slice(0, C).store(lc_n)
-                rv_s.slice(C, C).store(lr_n)
-                rv_s.slice(2 * C, C).store(lq_n)
+                _store_vectors(rv_s, lc_n, lr_n, lq_n, C)
                 lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c - 1) * C, eos, tok0, i_h, i_hv,
                                                   c > c_beg, scale, H, HV, USE_L2, num_warps)
             rows = bos + c * C + to
