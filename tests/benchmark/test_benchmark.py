@@ -517,6 +517,23 @@ def test_bench_run_budget_skips(fakes, tmp_path, capsys):
     assert [r["skipped"] for r in rows] == ["time budget", "time budget"]
 
 
+def test_bench_run_budget_counts_from_the_first_case(fakes, tmp_path):
+    """--budget-s counts from the first case: slow ceilings (as a GPU's copy and matmul measurement, ~10 s) do not
+    eat a small budget before any case has run."""
+    import time as _time
+
+    class SlowCeilings(_FakeDevice):
+        def ceilings(self):
+            _time.sleep(0.5)
+            return 100.0, 1.0
+
+    cases = [_case("conv", 1, 30)]
+    args = _args(["--out", str(tmp_path), "--no-plot", "--budget-s", "0.3"])
+    assert B._run(args, cases, [], torch.device("cpu"), device_cls=SlowCeilings) == 0
+    rows = json.load(open(tmp_path / "fake-gpu.json"))["rows"]
+    assert rows[0].get("skipped") is None and rows[0]["gdn_ms"] > 0
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # the GPU session script (its stage machinery, on CPU)
 # ----------------------------------------------------------------------------------------------------------------------
