@@ -35,7 +35,9 @@ Triton cache between calls (``--triton-cache FILE``): every call of the device t
 cold compiles took a third of a session's device time. With the option the stages compile into one cache folder
 (``TRITON_CACHE_DIR``), restored first from FILE when it exists (a .tgz carried with the call), and written back after
 every stage to ``$OUT/triton-cache.tgz`` with only what Triton loads a kernel from (metadata .json, the .cubin, the
-compiled launchers .so; ~6 MB for the whole gdn check + profile set). Copy that file over FILE before the next call::
+compiled launchers .so; ~6 MB for gdn's check + profile set, 15 MB with the whole check; past 12 MB it goes on in
+``triton-cache.1.tgz``, ...: the device tool returns files of at most 16 MiB, 8 in all). Copy those files beside
+FILE (same names) before the next call::
 
     python3 bench/gpu_session.py --triton-cache .scratch/triton-cache.tgz ...   # carry .scratch
 
@@ -138,35 +140,72 @@ def _tail(path: str, n: int = 3) -> str:
 CACHE_KEEP = (".json", ".cubin", ".so")   # what Triton reads back for a cached kernel (the IR files are not needed)
 
 
+def _cache_parts(tgz: str):
+    """The files of a cache written as ``tgz`` in parts: ``x.tgz``, then ``x.1.tgz``, ``x.2.tgz``, ..."""
+    stem = tgz[:-4] if tgz.endswith(".tgz") else tgz
+    yield tgz
+    k = 1
+    while True:
+        yield f"{stem}.{k}.tgz"
+        k += 1
+
+
 def restore_triton_cache(tgz: str, cache_dir: str) -> int:
-    """Unpack a cache written by :func:`save_triton_cache` into ``cache_dir``; returns the number of files."""
+    """Unpack a cache written by :func:`save_triton_cache` (every part) into ``cache_dir``; returns the number of
+    files."""
     import tarfile
 
     os.makedirs(cache_dir, exist_ok=True)
-    if not os.path.isfile(tgz):
-        return 0
-    with tarfile.open(tgz, "r:gz") as t:
-        members = [m for m in t.getmembers() if m.isfile() and not m.name.startswith("/") and ".." not in m.name]
-        t.extractall(cache_dir, members=members)
-    return len(members)
+    n = 0
+    for part in _cache_parts(tgz):
+        if not os.path.isfile(part):
+            return n
+        with tarfile.open(part, "r:gz") as t:
+            members = [m for m in t.getmembers() if m.isfile() and not m.name.startswith("/") and ".." not in m.name]
+            t.extractall(cache_dir, members=members)
+        n += len(members)
 
 
-def save_triton_cache(cache_dir: str, tgz: str) -> int:
-    """Write the loadable part of a Triton cache folder (``CACHE_KEEP`` suffixes) to ``tgz``; returns the file
-    count. A group file lists every stage's IR too; Triton skips the listed files that are missing."""
+def save_triton_cache(cache_dir: str, tgz: str, part_bytes: int = 12 << 20) -> int:
+    """Write the loadable part of a Triton cache folder (``CACHE_KEEP`` suffixes) to ``tgz``, going on in
+    ``<stem>.1.tgz``, ... once a part passes ``part_bytes`` compressed (the device tool returns files of at most
+    16 MiB); returns the file count. A group file lists every stage's IR too; Triton skips the listed files that
+    are missing."""
+    import gzip
     import tarfile
 
-    n = 0
-    tmp = tgz + ".part"
-    with tarfile.open(tmp, "w:gz") as t:
-        for root, _, files in os.walk(cache_dir):
-            for f in sorted(files):
-                if f.endswith(CACHE_KEEP):
-                    path = os.path.join(root, f)
-                    t.add(path, arcname=os.path.relpath(path, cache_dir))
-                    n += 1
-    os.replace(tmp, tgz)
-    return n
+    paths = []
+    for root, _, files in os.walk(cache_dir):
+        paths += [os.path.join(root, f) for f in sorted(files) if f.endswith(CACHE_KEEP)]
+    parts, written = _cache_parts(tgz), []
+    raw = gz = tar = None
+
+    def close():
+        tar.close()
+        gz.close()
+        raw.close()
+        os.replace(written[-1] + ".part", written[-1])
+
+    for i, path in enumerate(sorted(paths)):
+        if tar is None or raw.tell() > part_bytes:
+            if tar is not None:
+                close()
+            written.append(next(parts))
+            raw = open(written[-1] + ".part", "wb")
+            gz = gzip.GzipFile(fileobj=raw, mode="wb")
+            tar = tarfile.open(fileobj=gz, mode="w")
+        tar.add(path, arcname=os.path.relpath(path, cache_dir))
+    if tar is None:   # an empty cache: one empty archive
+        written.append(next(parts))
+        with tarfile.open(written[-1], "w:gz"):
+            pass
+    else:
+        close()
+    for stale in parts:   # parts of an earlier, larger save
+        if not os.path.isfile(stale):
+            break
+        os.remove(stale)
+    return len(paths)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

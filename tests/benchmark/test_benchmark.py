@@ -626,3 +626,28 @@ def test_gpu_session_carries_a_triton_cache(tmp_path, monkeypatch):
     with tarfile.open(out / "triton-cache.tgz") as t:
         assert "new/n.cubin" in t.getnames() and "abc/k.cubin" in t.getnames()
     assert gs.restore_triton_cache(str(tmp_path / "missing.tgz"), str(tmp_path / "x")) == 0
+
+
+def test_triton_cache_in_parts(tmp_path):
+    """A cache larger than a part goes on in x.1.tgz, x.2.tgz, ...; restoring x.tgz brings back every file of every
+    part; a later, smaller save removes the parts it no longer needs."""
+    import random
+
+    gs = _session_module()
+    src = tmp_path / "cache"
+    rnd = random.Random(0)
+    for i in range(6):   # incompressible 40 KB cubins, a part every ~50 KB
+        (src / f"k{i}").mkdir(parents=True)
+        (src / f"k{i}" / "k.cubin").write_bytes(bytes(rnd.getrandbits(8) for _ in range(40000)))
+        (src / f"k{i}" / "k.json").write_text("{}")
+    tgz = tmp_path / "c.tgz"
+    assert gs.save_triton_cache(str(src), str(tgz), part_bytes=50000) == 12
+    parts = sorted(p.name for p in tmp_path.glob("c*.tgz"))
+    assert len(parts) >= 3 and "c.1.tgz" in parts and "c.2.tgz" in parts
+    out = tmp_path / "restored"
+    assert gs.restore_triton_cache(str(tgz), str(out)) == 12
+    assert (out / "k5" / "k.cubin").read_bytes() == (src / "k5" / "k.cubin").read_bytes()
+    for i in range(1, 6):   # smaller now: one part, the old ones removed
+        (src / f"k{i}" / "k.cubin").unlink()
+    assert gs.save_triton_cache(str(src), str(tgz), part_bytes=50000) == 7
+    assert sorted(p.name for p in tmp_path.glob("c*.tgz")) == ["c.tgz"]
