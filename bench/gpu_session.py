@@ -174,33 +174,31 @@ def save_triton_cache(cache_dir: str, tgz: str, part_bytes: int = 12 << 20) -> i
     import gzip
     import tarfile
 
-    paths = []
-    for root, _, files in os.walk(cache_dir):
-        paths += [os.path.join(root, f) for f in sorted(files) if f.endswith(CACHE_KEEP)]
-    parts, written = _cache_parts(tgz), []
-    raw = gz = tar = None
+    paths = sorted(os.path.join(root, f) for root, _, files in os.walk(cache_dir) for f in files
+                   if f.endswith(CACHE_KEEP))
+    parts = _cache_parts(tgz)
+    part = None   # (final name, raw file, gzip stream, tar) of the part being written
 
-    def close():
+    def open_part():
+        name = next(parts)
+        raw = open(name + ".part", "wb")
+        gz = gzip.GzipFile(fileobj=raw, mode="wb")
+        return name, raw, gz, tarfile.open(fileobj=gz, mode="w")
+
+    def close_part(name, raw, gz, tar):
         tar.close()
         gz.close()
         raw.close()
-        os.replace(written[-1] + ".part", written[-1])
+        os.replace(name + ".part", name)
 
-    for i, path in enumerate(sorted(paths)):
-        if tar is None or raw.tell() > part_bytes:
-            if tar is not None:
-                close()
-            written.append(next(parts))
-            raw = open(written[-1] + ".part", "wb")
-            gz = gzip.GzipFile(fileobj=raw, mode="wb")
-            tar = tarfile.open(fileobj=gz, mode="w")
-        tar.add(path, arcname=os.path.relpath(path, cache_dir))
-    if tar is None:   # an empty cache: one empty archive
-        written.append(next(parts))
-        with tarfile.open(written[-1], "w:gz"):
-            pass
-    else:
-        close()
+    for path in paths:
+        if part is not None and part[1].tell() > part_bytes:
+            close_part(*part)
+            part = None
+        if part is None:
+            part = open_part()
+        part[3].add(path, arcname=os.path.relpath(path, cache_dir))
+    close_part(*(part or open_part()))   # an empty cache: one empty archive
     for stale in parts:   # parts of an earlier, larger save
         if not os.path.isfile(stale):
             break

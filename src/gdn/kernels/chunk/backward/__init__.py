@@ -50,12 +50,13 @@ Backward, derived by hand and checked piece by piece against float64 autograd
    then ``dg`` = reverse cumulative sum of ``dc`` inside the chunk, ``dq = scale * dQ`` and, with the in-kernel L2
    norm, ``dx = r (dy - y (y.dy))`` (``y = x r``, ``r = rsqrt(|x|^2 + 1e-6)``).
 
-Kernels, after the forward kept Ainv, the gate cumsum and the L2 scalings (only W / U are recomputed, then the
-forward states H and v_new on a side stream, concurrently with 1-2). Files: ``dv_local.py`` (1), ``reverse.py``
+Kernels, after the forward kept Ainv, the gate cumsum and the L2 scalings (only W is recomputed, then the forward
+states H and v_new from k, v, beta and Ainv, on a side stream concurrently with 1-2 unless 2 runs on sm_90). Files: ``dv_local.py`` (1), ``reverse.py``
 and ``hopper.py`` (2), ``parts.py`` (3-5), ``hopper_parts.py`` (3-4 on sm_90), ``common.py``; tuning: the
 ``chunk_bwd`` table of :mod:`gdn.kernels.tuning`.
 
-1. ``chunk_bwd_dv_local_kernel`` (parallel, chunk x value head): ``dv_local = (K Q^T * Gam^T) dO`` into ``dvn``.
+1. ``chunk_bwd_dv_local_kernel`` (parallel, chunk x value head): ``dv_local = (K Q^T * Gam^T) dO`` into ``dvn``
+   (not launched where the unsegmented sm_90 pass of 2 computes it: ``chunk_bwd.dh_sm90_local_min_heads``).
 2. ``chunk_bwd_dh_kernel`` (sequential in chunks; sequences x value heads x V blocks, long sequences in segments
    with ``chunk_bwd_dh_merge_kernel``): adds the state term to ``dvn`` and stores ``Gm`` per chunk.
    On sm_90 the Gluon form of the same pass (``hopper.py``: TMA ring, asynchronous wgmma) where its grid fits
@@ -66,7 +67,8 @@ and ``hopper.py`` (2), ``parts.py`` (3-5), ``hopper_parts.py`` (3-4 on sm_90), `
    On sm_90, 3 and 4 are one Gluon kernel (``hopper_parts.py``: one CTA per chunk x value head, every tile by TMA
    once, asynchronous wgmma).
 5. ``chunk_bwd_qk_kernel`` (parallel, chunk x q/k head): the GVA sum over value heads (deterministic, no atomics)
-   and the L2-norm backward. On sm_90 with HV = H the Gluon kernel of 3-4 does this itself and 5 is not launched.
+   and the L2-norm backward. On sm_90 the Gluon kernel of 3-4 does this itself (with GVA the last value head of
+   each key head sums the group) and 5 is not launched.
 
 Every register tile is fp32 (fp64 for fp64 inputs); tl.dot takes operands in the input dtype (bf16/fp16) with fp32
 accumulation. No program holds more than two [C, K]-or-larger accumulators, so at 4 warps nothing spills beyond

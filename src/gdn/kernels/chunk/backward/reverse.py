@@ -232,7 +232,7 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     segs = plan_segments(ci, seg, dev)
     S, segments, seg_offsets = segs.S, segs.segments, segs.seg_offsets
     common = dict(meta, num_warps=nw, num_stages=ns)
-    stages9 = int(tuning.chunk_bwd(dev).dh_sm90_stages)
+    stages9 = int(cfg.dh_sm90_stages)
 
     def rev_pass(x0, xend, VC, **flags):
         """One launch of the reverse pass over the S segments (flags as ``chunk_bwd_dh_kernel``'s): the sm_90 pass
