@@ -266,7 +266,7 @@ def _run_scenarios() -> int:
 # ----------------------------------------------------------------------------------------------------------------------
 # the Gluon (sm_90-only) kernels: compiled directly (the ops take them only on a Hopper GPU)
 # ----------------------------------------------------------------------------------------------------------------------
-def compile_gluon(kernel, args: dict, constexprs: dict, num_warps: int = 4):
+def compile_gluon(kernel, args: dict, constexprs: dict, num_warps: int = 4, options: dict = None):
     """Compile a Gluon kernel for sm_90 from example arguments (tensor -> pointer, int -> i32, float -> fp32, TMA
     descriptors by their own signature type); constexprs by value. Used by gdn.aot and bench/aot_chunk.py."""
     import torch
@@ -294,7 +294,7 @@ def compile_gluon(kernel, args: dict, constexprs: dict, num_warps: int = 4):
         else:
             sig[n] = mangle_type(val)
     src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **(options or {})})
 
 
 def compile_hopper_state_pass(BV=64, NS=2, from_ainv=True, dtype=None, **flags):
@@ -370,7 +370,7 @@ def compile_hopper_dh_pass(BV=32, NS=2, dtype=None, K=128, **flags):
                 gcum=f32, rq_in=f32, rk_in=f32, dvn=torch.empty(4, dtype=dt), x0=f32, xend=f32, segments=i32,
                 cu_seqlens=i32, chunk_offsets=i32, scale=0.5, T=T)
     cx = dict(H=H, HV=HV, K=K, V=VC, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, HAS_R=True, STORE_STEPS=True,
-              STORE_END=True, END_BY_SEG=False, LOCAL=0, NS=NS, num_warps=4)
+              STORE_END=True, END_BY_SEG=False, LOCAL=False, NS=NS, num_warps=4)
     cx.update(flags)
     return compile_gluon(mb._dh_pass_sm90_kernel, args, cx)
 
@@ -399,6 +399,30 @@ def compile_hopper_parts(K=128, dtype=None, **flags):
     return compile_gluon(mp._bwd_parts_sm90_kernel, args, cx, num_warps=cx["num_warps"])
 
 
+def compile_hopper_prepare(K=128, dtype=None, maxnreg=None, **flags):
+    """The Hopper prepare kernel of the forward (gdn.kernels.chunk.hopper_prepare) for one configuration."""
+    import torch
+    from .kernels.chunk import hopper as m
+    from .kernels.chunk import hopper_prepare as mp
+
+    dt = getattr(torch, dtype) if isinstance(dtype, str) else (dtype or torch.bfloat16)
+    B, T, H, HV = 1, 256, 2, 4
+    x = torch.empty(B, T, H, K, dtype=dt)
+    f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
+    row = m._desc(m._rows2d(x), (64, K), m._GL_DT[dt])
+    args = dict(k_desc=row, q_desc=row, g=f32, beta=torch.empty(4, dtype=dt), gcum=f32, ainv=torch.empty(4, dtype=dt),
+                rk_out=f32, p_out=torch.empty(4, dtype=dt), qf_out=f32, chunk_indices=i32, cu_seqlens=i32, T=T,
+                scale=0.5, s_gb=T * HV, s_gt=HV, s_gh=1, s_bb=T * HV, s_bt=HV, s_bh=1)
+    cx = dict(H=H, HV=HV, K=K, USE_L2=True, IS_VARLEN=True, STORE_RK=True, STORE_P=True, num_warps=4)
+    cx.update(flags)
+    return compile_gluon(mp._chunk_prepare_sm90_kernel, args, cx, options={"maxnreg": maxnreg} if maxnreg else None)
+
+
+PREPARE_CONFIGS = [dict(maxnreg=r, **f) for r in (None, 168)
+                   for f in (dict(), dict(STORE_P=False), dict(USE_L2=False, IS_VARLEN=False, STORE_RK=False),
+                             dict(K=64), dict(dtype="float16", H=4))]
+
+
 PARTS_CONFIGS = [dict(), dict(USE_L2=False, IS_VARLEN=False), dict(K=64), dict(dtype="float16"),
                  dict(H=4), dict(H=4, USE_L2=False, IS_VARLEN=False)]
 
@@ -409,10 +433,9 @@ DH_CONFIGS = [dict(BV=bv, **f) for bv in (32, 64)
                         dict(INIT=3, HAS_R=False, STORE_STEPS=False, END_BY_SEG=True),
                         dict(INIT=2, STORE_END=False))] + \
     [dict(BV=32, K=64), dict(BV=64, K=64, INIT=3, HAS_R=False, STORE_STEPS=False, END_BY_SEG=True),
-     dict(BV=32, dtype="float16"), dict(BV=32, LOCAL=1), dict(BV=64, LOCAL=1),
-     dict(BV=64, LOCAL=1, INIT=0, IS_VARLEN=False, USE_L2=False, STORE_END=False),
-     dict(BV=32, K=64, LOCAL=1, dtype="float16"), dict(BV=32, LOCAL=2), dict(BV=64, LOCAL=2),
-     dict(BV=32, K=64, LOCAL=2, dtype="float16")]
+     dict(BV=32, dtype="float16"), dict(BV=32, LOCAL=True), dict(BV=64, LOCAL=True),
+     dict(BV=64, LOCAL=True, INIT=0, IS_VARLEN=False, USE_L2=False, STORE_END=False),
+     dict(BV=32, K=64, LOCAL=True, dtype="float16")]
 
 
 HOPPER_CONFIGS = [dict(BV=bv, from_ainv=fa, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=idx, HT_INDEXED=idx,
@@ -439,6 +462,7 @@ def _compile_hopper() -> int:
     builds += [("fused pass", compile_hopper_fused_pass, c) for c in FUSED_CONFIGS]
     builds += [("reverse pass", compile_hopper_dh_pass, c) for c in DH_CONFIGS]
     builds += [("parts", compile_hopper_parts, c) for c in PARTS_CONFIGS]
+    builds += [("prepare", compile_hopper_prepare, c) for c in PREPARE_CONFIGS]
     for name, build, cfg in builds:
         try:
             build(**cfg)
@@ -449,8 +473,8 @@ def _compile_hopper() -> int:
                 cause = cause.__cause__ or cause.__context__
             print(f"  FAIL hopper {name} {cfg}: {type(cause).__name__}: {cause}", flush=True)
     total = len(builds)
-    print(f"gdn.aot: hopper: {total - bad} of {total} state-pass, fused, reverse-pass and parts configurations "
-          "compile", flush=True)
+    print(f"gdn.aot: hopper: {total - bad} of {total} state-pass, fused, reverse-pass, parts and prepare "
+          "configurations compile", flush=True)
     return 1 if bad else 0
 
 def main(argv=None) -> int:

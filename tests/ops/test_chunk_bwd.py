@@ -449,12 +449,12 @@ def test_parts_dispatch_sm90(monkeypatch, HV):
     assert dq.shape == (B, T, H, K) and dk.dtype == x.k.dtype and dv.shape == x.v.shape
 
 
-@pytest.mark.parametrize("HV, ahead, local", [(32, False, 1), (32, True, 2), (8, False, 0), (8, True, 0)])
-def test_dv_local_in_reverse_sm90(monkeypatch, HV, ahead, local):
+@pytest.mark.parametrize("HV, local", [(32, True), (8, False)])
+def test_dv_local_in_reverse_sm90(monkeypatch, HV, local):
     """chunk_bwd_dh where the unsegmented sm_90 reverse pass runs (support and device emulated, launches recorded):
     with sequences x value heads >= ``chunk_bwd.dh_sm90_local_min_heads`` the Gluon pass computes dv_local itself
-    (``local`` 1, or 2 with ``dh_sm90_local_ahead``) and the dv_local kernel is not launched; with fewer heads that
-    kernel runs first and the pass reads its result (``local`` 0)."""
+    (``local=True``) and the dv_local kernel is not launched; with fewer heads that kernel runs first and the pass
+    reads its result."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import plan as plan_mod
     from gdn.kernels.chunk.backward import reverse
@@ -477,7 +477,6 @@ def test_dv_local_in_reverse_sm90(monkeypatch, HV, ahead, local):
     w = torch.randn(B, T, HV, K).bfloat16()
     do = torch.randn(B, T, HV, K).bfloat16()
     g_cum = torch.randn(B, T, HV)
-    with tuning.override("chunk_bwd", dh_sm90_local_ahead=ahead):
-        reverse.chunk_bwd_dh(q, q, w, g_cum, do, None, 0.1, None, 64, True, False, chunk_index=ci, plan=rplan)
-    assert len(passes) == 1 and passes[0]["local"] == local and passes[0]["HAS_R"]
+    reverse.chunk_bwd_dh(q, q, w, g_cum, do, None, 0.1, None, 64, True, False, chunk_index=ci, plan=rplan)
+    assert len(passes) == 1 and passes[0]["local"] is local and passes[0]["HAS_R"]
     assert len(dvl) == (0 if local else 1)

@@ -765,3 +765,31 @@ def test_inference_frees_ainv_before_the_output_kernel(monkeypatch, device):
     assert seen and alive_at_output == [0]
     ro, rs = _refs(x, cu=cu)
     assert rel_err(o, ro) < 1e-4 and rel_err(ht, rs) < 1e-4
+
+
+@pytest.mark.parametrize("with_q, g_is_cumsum, ainv_dtype, sm90", [
+    (True, False, torch.bfloat16, True), (False, False, torch.bfloat16, True), (True, True, torch.bfloat16, False),
+    (False, False, torch.float32, False)])
+def test_prepare_dispatch_sm90(monkeypatch, with_q, g_is_cumsum, ainv_dtype, sm90):
+    """chunk_fwd_prepare's dispatch where the sm_90 prepare supports the launch (support emulated, launches
+    recorded): the forward's launches (bf16 Ainv, with or without P / qf) go to the Gluon kernel with the outputs
+    the caller gets back, r_k only with the L2 norm, and the portable kernel does not run; a cumulative g or an
+    fp32 Ainv keep the portable kernel."""
+    from gdn.kernels.chunk import prepare
+
+    calls, launched = [], []
+    monkeypatch.setattr(prepare.hopper_prepare, "supported", lambda k, q, K, adt, prec: adt == k.dtype)
+    monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(prepare, "_launch", lambda kernel, grid, *a, **kw: launched.append(kernel))
+    B, T, H, HV, K = 1, 130, 2, 4, 64
+    x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
+    rk = torch.empty(B, T, H)
+    out = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, None, 64, True, store_wu=False, g_is_cumsum=g_is_cumsum,
+                                    ainv_dtype=ainv_dtype, rk=rk, q=x.q if with_q else None, scale=0.125)
+    assert len(calls) == int(sm90) and len(launched) == int(not sm90)
+    if sm90:
+        a, kw = calls[0]
+        # (k, q, g, beta, g_cum, ainv, rk, p, qf, ...): the buffers returned to the caller
+        assert a[0] is x.k and a[4] is out[0] and a[5] is out[1] and a[6] is rk and out[1].dtype == torch.bfloat16
+        assert (a[1] is x.q and a[7] is out[4] and a[8] is out[5]) if with_q else (a[1] is None and len(out) == 4)
+        assert kw["H"] == H and kw["HV"] == HV and kw["use_l2"]

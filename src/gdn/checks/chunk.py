@@ -251,6 +251,8 @@ def chunk_prepare_elementwise(device):
     qf; an fp32 Ainv; W / U recomputed from a stored Ainv), each launched twice and required bitwise equal: a few
     wrong elements (a miscompiled pipeline gave ~0.02% of Ainv off by 0.1 on the H200) vanish in a norm-wise error."""
     from ..kernels.chunk import chunk_fwd_prepare, recompute_w_u
+    from ..kernels.tuning import override
+    from .chunk_backward import _sm90_gluon_available
 
     s = _shapes(device)
     lens = [8192, 1000, 65, 64, 63, 1, 0] if device.type == "cuda" else [130, 1, 63, 0, 66]
@@ -270,15 +272,28 @@ def chunk_prepare_elementwise(device):
     def compare(name, got, want, tol):
         out.append(Result("chunk", f"prepare {name} (max error / max)", max_rel_err(got, want), tol))
 
+    def forward_prepare(with_p, rk):
+        return chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False, ainv_dtype=torch.bfloat16,
+                                 q=x.q if with_p else None, scale=scale, rk=rk)
+
     for with_p in (False, True):
         mode = "forward, P and qf" if with_p else "forward"
-        r = twice(mode, lambda: chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False,
-                                                  ainv_dtype=torch.bfloat16, q=x.q if with_p else None, scale=scale))
+        r = twice(mode, lambda: forward_prepare(with_p, None))
         compare(mode + " g_cum", r[0], ref["g_cum"], 1e-5)
         compare(mode + " Ainv bf16", r[1], ref["ainv"], 1e-2)
         if with_p:
             compare(mode + " P", r[4], ref["p"], 1e-2)
             compare(mode + " qf", r[5], ref["qf"], 1e-5)
+        if _sm90_gluon_available(device):
+            # the sm_90 (Gluon) prepare against the portable kernel, r_k included
+            rks = [torch.full((1, T, H), float("nan"), device=device) for _ in range(2)]
+            with override("chunk_fwd", prepare_sm90=False):
+                r0 = forward_prepare(with_p, rks[0])
+            r1 = forward_prepare(with_p, rks[1])
+            names = ["g_cum", "Ainv", None, None, "P", "qf"]
+            for name, a1, a0 in zip(names + ["r_k"], list(r1) + [rks[1]], list(r0) + [rks[0]]):
+                if name is not None:
+                    compare(f"{mode} {name}: sm_90 vs portable", a1, a0, 1e-2 if name in ("Ainv", "P") else 1e-5)
     r32 = twice("fp32 Ainv", lambda: chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False))
     compare("fp32 Ainv", r32[1], ref["ainv"], 1e-4)
     # W = Ainv diag(beta exp(c) r_k) K and U = Ainv diag(beta) V per chunk, from the kernel's own bf16 Ainv

@@ -168,8 +168,8 @@ def chunk_backward_reverse_sm90(device):
     end-state gradient and the L2 norm (gates near 1, and strong decay: g in [-8, -2], so e^(cL) underflows and
     e^(-c) would overflow), a batch without either, forced segments (the local, transition and final passes: INIT
     0 / 3 / 2), K = 64 with fp16 operands; GVA (HV = 2 H). The Gluon pass reading dv_local from its kernel, and,
-    unsegmented, computing it itself (each chunk's A in its step, and in the step before: ``dh_sm90_local_ahead``).
-    Also that the Gluon kernel did run in every case (and did not with it switched off)."""
+    unsegmented, computing it itself. Also that the Gluon kernel did run in every case (and did not with it
+    switched off)."""
     if not _sm90_gluon_available(device):
         return []
     from ..kernels.chunk.backward.reverse import chunk_bwd_dh
@@ -195,13 +195,11 @@ def chunk_backward_reverse_sm90(device):
         do = torch.randn(B, T, HV, V, device=device).to(dt)
         dht = torch.randn(N, HV, K, V, device=device) if with_dht else None
         res = []
-        # portable; Gluon reading dv_local from its kernel; Gluon computing it (unsegmented plans only), each A in
-        # its own step or in the step before (chunk_bwd.dh_sm90_local_ahead)
-        modes = (("Gluon off", False, 0, False), ("Gluon", True, 10 ** 9, False),
-                 ("Gluon, dv_local in the kernel", True, 0, False), ("Gluon, dv_local ahead", True, 0, True))
-        for mode, sm90, local_min, ahead in modes:
-            with override("chunk_bwd", dh_sm90=sm90, segment_chunks=seg, dh_sm90_local_min_heads=local_min,
-                          dh_sm90_local_ahead=ahead), _counting_sm90_launches() as calls:
+        # portable; Gluon reading dv_local from its kernel; Gluon computing it (unsegmented plans only)
+        modes = (("Gluon off", False, 0), ("Gluon", True, 10 ** 9), ("Gluon, dv_local in the kernel", True, 0))
+        for mode, sm90, local_min in modes:
+            with override("chunk_bwd", dh_sm90=sm90, segment_chunks=seg, dh_sm90_local_min_heads=local_min), \
+                    _counting_sm90_launches() as calls:
                 res.append(chunk_bwd_dh(x.q, x.k, w, g_cum, do, dht, K ** -0.5, cu, 64, l2, True))
             ran = calls[0] >= (3 if seg > 0 else 1) if sm90 else calls[0] == 0
             out.append(Result("chunk_backward", f"sm90 reverse {name}: {mode} {'as asked' if ran else 'NOT as asked'}",

@@ -30,6 +30,10 @@ class ChunkForward:
     prepare_stages: int = 2
     # 128: four programs per SM instead of three (H200: prepare -4 to -9%)
     prepare_maxnreg: int = 128
+    # sm_90: the forward's prepare (Ainv, g_cum, r_k; P and qf) as the Gluon kernel of
+    # gdn.kernels.chunk.hopper_prepare where it supports the launch (bench/NOTES.md); its register cap (0: none)
+    prepare_sm90: bool = True
+    prepare_sm90_maxnreg: int = 168
     # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half
     # inputs, else tf32x3; or "ieee", "tf32x3", "tf32", "bf16")
     solve_precision: str = "auto"
@@ -139,9 +143,6 @@ class ChunkBackward:
     # it adds ~0.2-0.6 us to each chunk step of the chain and saves a kernel whose time grows with the heads (H100:
     # a gain from 32 (16/32 1x32768 -2%, 64/64 -7%), a loss at 8 and 16; bench/NOTES.md, "Hopper reverse pass")
     dh_sm90_local_min_heads: int = 24
-    # ... and forms each chunk's A (masked, gated k q^T) at the end of the step before (its k q^T in front of
-    # w^T dVn, the scaling while that runs) instead of inside the chain: pending GPU A/B (bench/NOTES.md)
-    dh_sm90_local_ahead: bool = False
     # sm_90: parts A and B of the per-chunk gradients as one Gluon kernel (gdn.kernels.chunk.backward.hopper_parts:
     # every tile of a (chunk, value head) by TMA once, asynchronous wgmma) where it supports the launch
     parts_sm90: bool = True

@@ -90,11 +90,8 @@ if G.AVAILABLE:
         return g, b, rk, g_last
 
     @gluon.jit
-    def _segment_span(segments, cu_seqlens, i_s, T, IS_VARLEN: gl.constexpr):
-        """Sequence n, chunk range [c_beg, c_end), batch row i_b and token span [bos, eos) of segment i_s."""
-        n = gl.load(segments + 3 * i_s)
-        c_beg = gl.load(segments + 3 * i_s + 1)
-        c_end = gl.load(segments + 3 * i_s + 2)
+    def _seq_span(n, cu_seqlens, T, IS_VARLEN: gl.constexpr):
+        """Batch row i_b and token span [bos, eos) of sequence n (varlen: one row, spans from cu_seqlens)."""
         if IS_VARLEN:
             i_b = 0
             bos = gl.load(cu_seqlens + n)
@@ -103,6 +100,15 @@ if G.AVAILABLE:
             i_b = n
             bos = 0
             eos = T
+        return i_b, bos, eos
+
+    @gluon.jit
+    def _segment_span(segments, cu_seqlens, i_s, T, IS_VARLEN: gl.constexpr):
+        """Sequence n, chunk range [c_beg, c_end), batch row i_b and token span [bos, eos) of segment i_s."""
+        n = gl.load(segments + 3 * i_s)
+        c_beg = gl.load(segments + 3 * i_s + 1)
+        c_end = gl.load(segments + 3 * i_s + 2)
+        i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
         return n, c_beg, c_end, i_b, bos, eos
 
     @gluon.jit

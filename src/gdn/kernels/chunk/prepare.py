@@ -30,6 +30,7 @@ import triton.language as tl
 from .. import tuning
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _load_tile,
                      _pow2, _rn, _seq_span, _strides3)
+from . import hopper_prepare
 from .plan import ChunkIndex, get_chunk_index
 
 
@@ -216,6 +217,8 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     ``rk``: optional fp32 [B, T, H] buffer that receives the L2 row scalings 1 / |k_t| (with the L2 norm on).
     ``q`` [B, T, H, K] (strided) with ``scale``: also the output's intra-chunk matrix P [B, T, HV, 64] (tensor-core
     dtype) and row factors qf [B, T, HV] fp32 (kernel docstring), returned as a 5th and 6th value.
+    On sm_90 the forward's launches (Ainv in k's 16-bit dtype, no W / U) run as the Gluon kernel of
+    :mod:`.hopper_prepare` (``chunk_fwd.prepare_sm90``).
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
@@ -237,9 +240,18 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     if ci.NT == 0 or HV == 0:
         return (g_cum, ainv, w, u) + extra
     dummy = g_cum
+    store_rk = rk is not None and bool(use_qk_l2norm_in_kernel)
+    solve_prec = _solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype)
+    if cfg.prepare_sm90 and store_ainv and not store_wu and not g_is_cumsum \
+            and hopper_prepare.supported(k, q, K, ainv_dtype, solve_prec):
+        hopper_prepare.launch_prepare(
+            k, q, g, beta, g_cum, ainv, rk if store_rk else None, p, qf, ci.chunk_indices,
+            _cu_arg(cu_seqlens, None), ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
+            use_l2=bool(use_qk_l2norm_in_kernel), is_varlen=ci.is_varlen,
+            maxnreg=int(cfg.prepare_sm90_maxnreg) or None)
+        return (g_cum, ainv, w, u) + extra
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
-    store_rk = rk is not None and bool(use_qk_l2norm_in_kernel)
     _launch(_chunk_prepare_kernel, (ci.NT * HV,),
         k, v, g, beta, g_cum, ainv if ainv is not None else dummy, w if w is not None else dummy,
         u if u is not None else dummy, rk if store_rk else dummy, q if q is not None else k,
@@ -249,7 +261,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
         G_IS_CUM=bool(g_is_cumsum), STORE_G=store_g, STORE_A=store_ainv, LOAD_A=False, STORE_W=store_wu,
         STORE_U=store_wu, STORE_RK=store_rk, STORE_P=q is not None, DT=_TL[dt], PREC=cfg.fp32_dot_precision,
-        SOLVE_PREC=_solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype),
+        SOLVE_PREC=solve_prec,
         num_warps=int(cfg.prepare_warps),
         # never software-pipelined: with the K loop pipelined 2 stages deep, Triton 3.6 on the H200 gave wrong,
         # run-to-run different Ainv (~0.02% of the elements off by up to 0.13) and P (bench/NOTES.md)

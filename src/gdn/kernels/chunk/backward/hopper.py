@@ -119,9 +119,7 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
     ):
         """The reverse pass of one (V tile, value head, segment) (module docstring); V is the state's column count
         (K for the identity-started transitions). LOCAL (with HAS_R): dv_local is computed here (module docstring)
-        instead of read from ``dvn``: 1 A of chunk c formed in step c, 2 A of chunk c - 1 formed at the end of step c
-        (its k q^T issued in front of ``w^T dVn``, the scaling done while that runs), so step c - 1 only adds
-        ``A dO``."""
+        instead of read from ``dvn``, A of chunk c formed in step c."""
         C: gl.constexpr = 64
         i_v = gl.program_id(0)
         i_hv = gl.program_id(1)
@@ -151,10 +149,8 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         ndv_s = gl.allocate_shared_memory(dt, [C, BV], op_layout)
         if LOCAL:
             a_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
-            # per-chunk vectors of A: one buffer (LOCAL 1), two by chunk parity (LOCAL 2: chunk c - 1's are written
-            # while chunk c's may still be read)
-            rv2 = gl.allocate_shared_memory(gl.float32, [2, 4 * C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            rv_s = rv2.index(0)
+            # per-chunk vectors of A
+            rv_s = gl.allocate_shared_memory(gl.float32, [4 * C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=1)
 
@@ -199,17 +195,6 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         if LOCAL:
             lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c_end - 1) * C, eos, tok0, i_h, i_hv,
                                               c_end > c_beg, scale, H, HV, USE_L2, num_warps)
-        if LOCAL == 2:   # A of the last chunk (stage 0, phase 0) before the loop; the loop forms the next ones
-            rvb = rv2.index((c_end + 1) % 2)
-            _store_vectors(rvb, lc_n, lr_n, lq_n, C)
-            lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c_end - 2) * C, eos, tok0, i_h, i_hv,
-                                              c_end - 1 > c_beg, scale, H, HV, USE_L2, num_warps)
-            mbarrier.wait(bars.index(0), 0, pred=c_end > c_beg)
-            cta_barrier()
-            kq = warpgroup_mma(k_s.index(0), q_s.index(0).permute((1, 0)),
-                               gl.zeros([C, C], gl.float32, layout=mma_c), use_acc=False, is_async=True)
-            kq = warpgroup_mma_wait(0, deps=[kq])
-            a_s.store(_form_a(kq, rvb, eos - (bos + (c_end - 1) * C), C, mma_c).to(dt))
         zero = gl.zeros([C, BV], gl.float32, layout=mma)
         for it in range(0, c_end - c_beg):
             c = c_end - 1 - it
@@ -226,12 +211,7 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
             e_last = el_n
             fk_n, fq_n, el_n = _rev_gates(gcum, rq_in, rk_in, bos + (c - 1) * C, to, eos, tok0, i_h, i_hv,
                                           c > c_beg, scale, H, HV, USE_L2)
-            if LOCAL == 2:
-                # chunk c - 1's vectors into their buffer (chunk c + 1's, last read in step c + 1's middle)
-                _store_vectors(rv2.index((c + 1) % 2), lc_n, lr_n, lq_n, C)
-                lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c - 2) * C, eos, tok0, i_h, i_hv,
-                                                  c - 1 > c_beg, scale, H, HV, USE_L2, num_warps)
-            if LOCAL == 1:
+            if LOCAL:
                 # this chunk's vectors into rv_s (its last readers, the previous step's, are past two barriers);
                 # visible to every warp after the barrier in front of k @ G
                 _store_vectors(rv_s, lc_n, lr_n, lq_n, C)
@@ -254,13 +234,7 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
                 tma_store(gs_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], g_s)
             kg = warpgroup_mma(k_s.index(s), g_s, zero, use_acc=False, is_async=True)
             acc = gr * e_last
-            if LOCAL == 2:
-                # A of this chunk is in a_s (formed at the end of the previous step, or before the loop)
-                dv = warpgroup_mma(a_s, do_s.index(s), zero, use_acc=False, is_async=True)
-                acc = warpgroup_mma(q_s.index(s).permute((1, 0)), fdo_s, acc, is_async=True)
-                kg, dv = warpgroup_mma_wait(1, deps=[kg, dv])
-                dv = gl.where(m[:, None], kg * fk[:, None] + dv, 0.0)
-            elif LOCAL == 1:
+            if LOCAL:
                 # dv_local = A dO with A = (k q^T) * e^(c_j - c_i) scale r_k,i r_q,j for j >= i (0 past the end),
                 # accumulated onto the k @ G term; q^T (fq dO) issued after it (not needed before w^T dVn)
                 kq = warpgroup_mma(k_s.index(s), q_s.index(s).permute((1, 0)),
@@ -288,18 +262,7 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
             fence_async_shared()
             cta_barrier()
             # ---- G = e^cL G + q^T (fq dO) - w^T dVn
-            if LOCAL == 2:
-                # k q^T of chunk c - 1 (its stage was asked for at the top of this step) in front of w^T dVn, and
-                # its A formed while w^T dVn runs (skipped loads at the segment's first chunk: A unused)
-                s1 = (it + 1) % NS
-                mbarrier.wait(bars.index(s1), ((it + 1) // NS) & 1, pred=c > c_beg)
-                kq = warpgroup_mma(k_s.index(s1), q_s.index(s1).permute((1, 0)),
-                                   gl.zeros([C, C], gl.float32, layout=mma_c), use_acc=False, is_async=True)
-                acc = warpgroup_mma(w_s.index(s).permute((1, 0)), ndv_s, acc, is_async=True)
-                kq = warpgroup_mma_wait(1, deps=[kq])
-                a_s.store(_form_a(kq, rv2.index((c + 1) % 2), eos - (bos + (c - 1) * C), C, mma_c).to(dt))
-            else:
-                acc = warpgroup_mma(w_s.index(s).permute((1, 0)), ndv_s, acc, is_async=True)
+            acc = warpgroup_mma(w_s.index(s).permute((1, 0)), ndv_s, acc, is_async=True)
             gr = warpgroup_mma_wait(0, deps=[acc])
 
         if STORE_STEPS:
@@ -334,8 +297,8 @@ def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments
                    stages=2):
     """Launch the sm_90 reverse pass over ``grid`` = (V // BV, HV, segments) (``supported`` must have said yes);
     arguments and flags as the portable ``chunk_bwd_dh_kernel``'s (``V`` = K for INIT 3). ``local`` (with HAS_R):
-    compute dv_local in the kernel instead of reading it from ``dvn`` (1, or 2: each chunk's A formed in the step
-    before; the kernel's LOCAL). Unused tensors may be None."""
+    compute dv_local in the kernel instead of reading it from ``dvn`` (the kernel's LOCAL). Unused tensors may be
+    None."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
@@ -353,7 +316,7 @@ def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments
         g_cum, rq if rq is not None else ph, rk if rk is not None else ph, dvn, x0 if x0 is not None else ph,
         xend if xend is not None else ph, segments, cu_seqlens if cu_seqlens is not None else segments, chunk_offsets, float(scale), T,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, INIT=INIT, HAS_R=HAS_R,
-        STORE_STEPS=STORE_STEPS, STORE_END=STORE_END, END_BY_SEG=END_BY_SEG, LOCAL=int(local) if HAS_R else 0,
+        STORE_STEPS=STORE_STEPS, STORE_END=STORE_END, END_BY_SEG=END_BY_SEG, LOCAL=bool(local and HAS_R),
         NS=stages, num_warps=4)
 
 

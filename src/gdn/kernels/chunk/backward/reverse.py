@@ -226,7 +226,6 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     # (chunk_bwd.dh_sm90_local_min_heads); otherwise its own kernel writes it into dvn first
     cfg = tuning.chunk_bwd(dev)
     local = runs_sm90(plan, ci, HV, V) and ci.N * HV >= int(cfg.dh_sm90_local_min_heads)
-    local = (2 if cfg.dh_sm90_local_ahead else 1) if local else 0
     if not local:
         dv_local(q, k, g_cum, do, rq, rk, dvn, ci, cu_seqlens, args[1], T, args[3:], meta)
     segs = plan_segments(ci, seg, dev)

@@ -1,0 +1,253 @@
+"""Hopper (sm_90) form of the forward's prepare kernel (``prepare._chunk_prepare_kernel`` in its forward modes:
+g_cum, Ainv in the tensor-core dtype, r_k, and with q the output's P and qf), written in Gluon: one CTA (4 warps)
+per (chunk, key head), looping over the key head's HV / H value heads.
+
+Per CTA (one chunk of C = 64 tokens; notation of ``prepare.py``)::
+
+    k, q [64, K]     one TMA copy each into shared memory
+    K K^T, Q K^T     asynchronous wgmma, once per key head (the portable kernel does them per value head);
+    |q|^2            r_k and r_q are the inverse norms read off the diagonals of K K^T and Q Q^T
+    per value head:  c = cumsum(g) (a masked row sum), Gamma, P and qf (with q), A = strictLower(diag(beta r_k)
+                     (Gamma * K K^T) diag(r_k)), Ainv = (I + A)^-1, stores
+
+The solve (same math and tf32 products as the portable ``_unit_lower_inverse64``): the four 16 x 16 diagonal
+blocks D_b of A are inverted by forward substitution on a [4, 16, 16] stack laid out so that each thread holds
+half a column of one block's inverse (the row of D_b it needs comes from shared memory as a broadcast; a step is 8
+FMAs, one shuffle and 8 selects per thread); with Dinv the block-diagonal inverse and M = Dinv L (L: A below the
+diagonal blocks, M^4 = 0), ``(I + A)^-1 = (I - M + M^2 - M^3) Dinv``: four 64 x 64 tf32 wgmma, the left operand
+from registers, the right one stored transposed (K-major, as tf32 wgmma requires).
+
+Rows of a partial chunk past its sequence hold the next sequence's tokens (or TMA zero fill): beta is 0 there, so
+they add nothing to A, and nothing is stored for them.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import _gluon_api as G
+from ..launch import launch
+from ..tuning import capability
+from .hopper import CHUNK, _GL_DT, _desc, _rows2d
+
+if G.AVAILABLE:
+    from .hopper import _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma_load, warpgroup_mma, \
+        warpgroup_mma_wait
+
+    # shared_memory_descriptor.reinterpret: "_reinterpret" up to 3.6
+    _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+
+    @gluon.jit
+    def _as_f32_tile(buf, C: gl.constexpr, layout: gl.constexpr):
+        """The bytes of a 16 KB shared-memory tile viewed as fp32 [C, C] in ``layout``."""
+        if _PUBLIC_REINTERPRET:
+            t = buf.reinterpret(gl.float32, [C, C], layout)
+        else:
+            t = buf._reinterpret(gl.float32, [C, C], layout)
+        return t
+
+    @gluon.jit
+    def _store_tile(ptr, x, row_off, nv, C: gl.constexpr, num_warps: gl.constexpr):
+        """x [C, C] into rows ``row_off[t]`` (elements) of a row-major buffer, rows t < nv only; 16-byte stores."""
+        st: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
+        y = gl.convert_layout(x, st)
+        r = gl.arange(0, C, layout=gl.SliceLayout(1, st))
+        cc = gl.arange(0, C, layout=gl.SliceLayout(0, st))
+        offs = gl.convert_layout(row_off, gl.SliceLayout(1, st))
+        gl.store(ptr + offs[:, None] + cc[None, :], y, mask=(r < nv)[:, None])
+
+    @gluon.jit
+    def _unit_lower_inverse_sm90(A, f_s, d_s, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr):
+        """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A in layout ``mma`` (module docstring). Scratch
+        (fp32): f_s [64, 64] and d_s [64, 16] plain; l_s and dt_s [64, 64] NVMMA. Returns fp32
+        in ``mma``."""
+        C: gl.constexpr = 64
+        rl: gl.constexpr = gl.SliceLayout(1, mma)
+        cl: gl.constexpr = gl.SliceLayout(0, mma)
+        tr = gl.arange(0, C, layout=rl)
+        tc = gl.arange(0, C, layout=cl)
+        # ---- the diagonal blocks as rows 4 i + b of d_s [64, 16]: D_b[i, :]
+        f_s.store(A)
+        cta_barrier()
+        l3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [16, 1, 2], [1, 1, num_warps], [2, 1, 0])
+        bi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
+        d3 = gl.zeros([16, 4, 16], gl.float32, layout=l3)
+        for b in gl.static_range(4):
+            blk = f_s.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).load(gl.SliceLayout(1, l3))
+            d3 = gl.where(bi[None, :, None] == b, gl.expand_dims(blk, 1), d3)
+        d_s.store(gl.reshape(d3, [64, 16]))
+        cta_barrier()
+        # ---- forward substitution, all four blocks at once: yt[b, j, k] = Y_b[k, j], (I + D_b) Y_b = I
+        ly: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 16, 2], [num_warps, 1, 1], [2, 1, 0])
+        jj = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, ly)))
+        kk = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, ly)))
+        yt = gl.where(jj[None, :, None] == kk[None, None, :], 1.0, 0.0) + gl.zeros([4, 16, 16], gl.float32, layout=ly)
+        for i in gl.static_range(1, 16):
+            a_i = d_s.slice(4 * i, 4, dim=0).load(gl.SliceLayout(1, ly))  # [b, k] = D_b[i, k]
+            y = gl.sum(a_i[:, None, :] * yt, axis=2)                     # [b, j] = (D_b Y_b)[i, j]
+            e_i = gl.where(jj == i, 1.0, 0.0)
+            yt = gl.where(kk[None, None, :] == i, e_i[None, :, None] - y[:, :, None], yt)
+        # ---- Dinv^T [64, 64] (diagonal block b: yt[b], zeros elsewhere) in f_s, then an NVMMA copy in dt_s
+        cta_barrier()
+        d_s.store(gl.reshape(yt, [64, 16]))
+        f_s.store(gl.zeros([C, C], gl.float32, layout=mma))
+        cta_barrier()
+        l16: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [1, num_warps], [1, 0])
+        for b in gl.static_range(4):
+            f_s.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).store(d_s.slice(16 * b, 16, dim=0).load(l16))
+        cta_barrier()
+        # the tf32 products (instruction K = 8); the accumulator layout is ``mma``'s
+        mt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                     instr_shape=[16, C, 8])
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mt, k_width=1)
+        dinv = f_s.permute((1, 0)).load(dot_a)
+        dt_s.store(f_s.load(mma))
+        # ---- M = Dinv L, M^2, M^3 = M^2 M, (I - M + M^2 - M^3) Dinv; right operands stored transposed
+        low = (tr[:, None] // 16) > (tc[None, :] // 16)
+        l_s.store(gl.permute(gl.where(low, A, 0.0), (1, 0)))
+        fence_async_shared()
+        cta_barrier()
+        zero = gl.zeros([C, C], gl.float32, layout=mt)
+        m = warpgroup_mma(dinv, l_s.permute((1, 0)), zero, use_acc=False)
+        cta_barrier()
+        l_s.store(gl.permute(m, (1, 0)))
+        fence_async_shared()
+        cta_barrier()
+        x = gl.convert_layout(gl.where(tr[:, None] == tc[None, :], 1.0, 0.0), mt) - m
+        m = warpgroup_mma(gl.convert_layout(m, dot_a), l_s.permute((1, 0)), zero, use_acc=False)     # M^2
+        x += m
+        m = warpgroup_mma(gl.convert_layout(m, dot_a), l_s.permute((1, 0)), zero, use_acc=False)     # M^3
+        x -= m
+        ai = warpgroup_mma(gl.convert_layout(x, dot_a), dt_s.permute((1, 0)), zero, use_acc=False)
+        return gl.convert_layout(ai, mma)
+
+    @gluon.jit
+    def _chunk_prepare_sm90_kernel(
+        k_desc, q_desc, g, beta, gcum, ainv, rk_out, p_out, qf_out, chunk_indices, cu_seqlens, T, scale,
+        s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
+        STORE_RK: gl.constexpr, STORE_P: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
+        heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
+        [B*T, HV] fp32, Ainv and P [B*T, HV, 64] (k's dtype), r_k [B*T, H] fp32 (by the key head's first value
+        head)."""
+        C: gl.constexpr = 64
+        pid = gl.program_id(0)
+        i_t = pid // HV
+        i_hv = pid % HV
+        i_h = i_hv // (HV // H)
+        n = gl.load(chunk_indices + 2 * i_t)
+        c = gl.load(chunk_indices + 2 * i_t + 1)
+        i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
+        t0 = bos + c * C
+        nv = gl.minimum(eos - t0, C)
+        tok0 = i_b * T
+
+        dt: gl.constexpr = k_desc.dtype
+        nvmma: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.float32)
+        plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        k_s = gl.allocate_shared_memory(dt, [C, K], k_desc.layout)
+        if STORE_P:
+            q_s = gl.allocate_shared_memory(dt, [C, K], q_desc.layout)
+        bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(bar, count=1)
+        if STORE_P:
+            mbarrier.expect(bar, 2 * C * K * (dt.primitive_bitwidth // 8))
+            tma_load(k_desc, [tok0 + t0, i_h * K], bar, k_s)
+            tma_load(q_desc, [tok0 + t0, i_h * K], bar, q_s)
+        else:
+            mbarrier.expect(bar, C * K * (dt.primitive_bitwidth // 8))
+            tma_load(k_desc, [tok0 + t0, i_h * K], bar, k_s)
+        f_s = gl.allocate_shared_memory(gl.float32, [C, C], plain)
+        d_s = gl.allocate_shared_memory(gl.float32, [C, 16], plain)
+
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                      instr_shape=[16, C, 16])
+        rl: gl.constexpr = gl.SliceLayout(1, mma)
+        cl: gl.constexpr = gl.SliceLayout(0, mma)
+        tr = gl.arange(0, C, layout=rl)
+        tc = gl.arange(0, C, layout=cl)
+        m_r = tr < nv
+        tok_r = (tok0 + t0 + tr).to(gl.int64)
+        causal = tc[None, :] <= tr[:, None]
+
+        # ---- gates (while the tiles land): c = chunk-local cumsum of g (a masked row sum), beta
+        g_c = gl.load(g + i_b * s_gb + i_hv * s_gh + (t0 + tc) * s_gt, mask=tc < nv, other=0.0).to(gl.float32)
+        b_r = gl.load(beta + i_b * s_bb + i_hv * s_bh + (t0 + tr) * s_bt, mask=m_r, other=0.0).to(gl.float32)
+        c_r = gl.sum(gl.where(causal, g_c[None, :], 0.0), axis=1)
+        c_c = gl.convert_layout(c_r, cl)
+        gl.store(gcum + tok_r * HV + i_hv, c_r, mask=m_r)
+
+        # ---- K K^T (and Q Q^T, then Q K^T); r_k, r_q from the diagonals; A while Q K^T runs
+        zero = gl.zeros([C, C], gl.float32, layout=mma)
+        mbarrier.wait(bar, 0)
+        kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if STORE_P:
+            qq = warpgroup_mma(q_s, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+            qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+            kk, qq = warpgroup_mma_wait(1, deps=[kk, qq])
+        else:
+            kk = warpgroup_mma_wait(0, deps=[kk])
+        diag = tr[:, None] == tc[None, :]
+        if USE_L2:
+            rk_r = gl.rsqrt(gl.sum(gl.where(diag, kk, 0.0), axis=1) + 1e-6)
+            rk_c = gl.convert_layout(rk_r, cl)
+        else:
+            rk_r = gl.full([C], 1.0, gl.float32, layout=rl)
+            rk_c = gl.full([C], 1.0, gl.float32, layout=cl)
+        if STORE_RK:
+            gl.store(rk_out + tok_r * H + i_h, rk_r, mask=m_r & (i_hv % (HV // H) == 0))
+        gam = gl.exp(gl.where(causal, c_r[:, None] - c_c[None, :], 0.0))
+        a = gl.where(tc[None, :] < tr[:, None], kk * (b_r * rk_r)[:, None] * rk_c[None, :] * gam, 0.0)
+        row_off = (tok_r * HV + i_hv) * C
+        if STORE_P:
+            if USE_L2:
+                rq = gl.rsqrt(gl.sum(gl.where(diag, qq, 0.0), axis=1) + 1e-6) * scale
+            else:
+                rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
+            qk = warpgroup_mma_wait(0, deps=[qk])
+            att = gl.where(causal, qk * rq[:, None] * rk_c[None, :] * gam, 0.0)
+            _store_tile(p_out, att.to(dt), row_off, nv, C, num_warps)
+            gl.store(qf_out + tok_r * HV + i_hv, rq * gl.exp(c_r), mask=m_r)
+        mbarrier.invalidate(bar)
+        # the solve's two NVMMA scratch tiles in the k / q tiles' bytes where these hold 16 KB (dead once the products
+        # are waited for)
+        REUSE: gl.constexpr = K * (dt.primitive_bitwidth // 8) == 4 * C
+        if REUSE:
+            l_s = _as_f32_tile(k_s, C, nvmma)
+        else:
+            l_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
+        if STORE_P and REUSE:
+            dt_s = _as_f32_tile(q_s, C, nvmma)
+        else:
+            dt_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
+        ai = _unit_lower_inverse_sm90(a, f_s, d_s, l_s, dt_s, mma, num_warps)
+        _store_tile(ainv, ai.to(dt), row_off, nv, C, num_warps)
+
+
+def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precision: str) -> bool:
+    """Whether the sm_90 prepare can take a forward prepare launch (else the portable kernel does): Gluon, sm_90,
+    16-bit k (and q of the same dtype and layout), Ainv stored in that dtype from tf32 solve products, K 64 / 128."""
+    if not G.AVAILABLE or capability(k.device) != "sm_90" or k.dtype not in _GL_DT:
+        return False
+    if ainv_dtype != k.dtype or solve_precision != "tf32" or K not in (64, 128) or _rows2d(k) is None:
+        return False
+    return q is None or (q.dtype == k.dtype and q.shape == k.shape and _rows2d(q) is not None)
+
+
+def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
+                   H, HV, K, use_l2, is_varlen, maxnreg=None):
+    """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
+    P / qf; ``rk`` None: r_k not stored. Unused tensors may be None."""
+    dn = _GL_DT[k.dtype]
+    k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
+    q_desc = _desc(_rows2d(q), (CHUNK, K), dn) if q is not None else k_desc
+    launch(_chunk_prepare_sm90_kernel, (NT * HV,),
+        k_desc, q_desc, g, beta, g_cum, ainv, rk if rk is not None else g_cum, p if p is not None else ainv,
+        qf if qf is not None else g_cum, chunk_indices, cu_seqlens if cu_seqlens is not None else chunk_indices,
+        T, float(scale), *s_g, *s_beta,
+        H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
+        STORE_P=q is not None, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
+
+
+__all__ = ["supported", "launch_prepare"]
