@@ -338,12 +338,14 @@ def compile_hopper_fused_pass(BV=32, NS=2, dtype=None, **flags):
     f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
     args = dict(k_desc=m._desc(m._rows2d(k), (64, K), dn), v_desc=m._desc(m._rows2d(v), (64, BV), dn),
                 a_desc=m._desc(a.reshape(B * T, -1), (64, 64), dn), q_desc=m._desc(m._rows2d(q), (64, K), dn),
-                p_desc=m._desc(a.reshape(B * T, -1), (64, 64), dn), beta=torch.empty(4, dtype=dt), gcum=f32,
-                rk_in=f32, qf=f32, o=torch.empty(4, dtype=dt), h0=f32, ht=f32,
-                h0_idx=i32, ht_idx=i32, o_idx=i32, segments=i32, cu_seqlens=i32, T=T, P0=3, P1=3, PO=3,
+                p_desc=m._desc(a.reshape(B * T, -1), (64, 64), dn),
+                h_desc=m._desc(torch.empty(4 * HV * K, V, dtype=dt), (K, BV), dn), beta=torch.empty(4, dtype=dt),
+                gcum=f32, rk_in=f32, qf=f32, o=torch.empty(4, dtype=dt), vnew=torch.empty(4, dtype=dt), h0=f32,
+                ht=f32, h0_idx=i32, ht_idx=i32, o_idx=i32, segments=i32, cu_seqlens=i32, chunk_offsets=i32, T=T,
+                P0=3, P1=3, PO=3,
                 s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3, s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
     cx = dict(H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
-              STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True, NS=NS, OUT_REGS=m.OUTPUT_PARTITION_REGS,
+              STORE_H=False, STORE_VNEW=False, STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True, NS=NS, OUT_REGS=m.OUTPUT_PARTITION_REGS,
               num_warps=4)
     cx.update(flags)
     return compile_gluon(m._chunk_fused_sm90_kernel, args, cx)
@@ -448,7 +450,9 @@ FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=
                       STORE_FINAL=not seg, USE_L2=l2)
                  for bv in (32, 64)
                  for (init, vl, seg, idx, l2) in ((1, True, False, True, True), (0, False, False, False, False),
-                                                  (1, True, True, False, True))]
+                                                  (1, True, True, False, True))] + \
+    [dict(BV=bv, STORE_H=True, STORE_VNEW=True, **f) for bv in (32, 64)
+     for f in (dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False))]
 
 
 def _compile_hopper() -> int:

@@ -793,3 +793,34 @@ def test_prepare_dispatch_sm90(monkeypatch, with_q, g_is_cumsum, ainv_dtype, sm9
         assert a[0] is x.k and a[4] is out[0] and a[5] is out[1] and a[6] is rk and out[1].dtype == torch.bfloat16
         assert (a[1] is x.q and a[7] is out[4] and a[8] is out[5]) if with_q else (a[1] is None and len(out) == 4)
         assert kw["H"] == H and kw["HV"] == HV and kw["use_l2"]
+
+
+@pytest.mark.parametrize("fused_states", [True, False])
+def test_fused_kernel_keeps_states_when_asked(monkeypatch, fused_states):
+    """chunk_gated_delta_rule_fwd with return_states where the fused Hopper kernel takes the final pass (plan and
+    launch emulated, launches recorded): with ``chunk_fwd.state_sm90_fused_states`` the fused kernel gets h / v_new
+    buffers (and the chunk offsets that index h) and the caller gets those same tensors back; without it the fused
+    kernel is not used (the state pass + output kernel run)."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import forward, state
+
+    calls = []
+    B, T, H, HV, K = 1, 130, 2, 4, 64
+    x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
+
+    def plan(q, k, v, ci, seg, ckpt):
+        return 32, state._pass_plan(ci, HV, K, K, q.device, False, seg)[0]
+
+    monkeypatch.setattr(forward, "fused_output_plan", plan)
+    monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: calls.append(kw))
+    with tuning.override("chunk_fwd", state_sm90_fused_states=fused_states):
+        o, _, aux = forward.chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, 0.125, None, False, None, 64,
+                                                       True, return_states=True)
+    assert len(calls) == int(fused_states)
+    if fused_states:
+        kw = calls[0]
+        assert kw["h_out"] is aux["h"] and kw["vnew"] is aux["v_new"] and kw["chunk_offsets"] is not None
+        assert aux["h"].shape == (3, HV, K, K) and aux["h"].dtype == torch.bfloat16
+        assert aux["v_new"].shape == x.v.shape
+    else:
+        assert aux["h"] is not None and aux["v_new"] is not None

@@ -135,13 +135,15 @@ def chunk_long_segmented(device):
 
 @register
 def chunk_sm90_vs_portable(device):
-    """Hopper only: the Gluon state pass (gdn.kernels.chunk.hopper) against the portable Triton pass on the same
-    inputs (h per chunk, v_new, final state; pools with a padding row, k_last, varlen, segments), and the fused
-    state + output kernel (V tiles 64 and 32: o and the final states) against the same portable run."""
+    """Hopper only: the Gluon state pass (gdn.kernels.chunk.hopper) and the fused state + output kernel storing h /
+    v_new (``chunk_fwd.state_sm90_fused_states``) against the portable Triton pass on the same inputs (h per chunk,
+    v_new, o, final state; pools with a padding row, k_last, varlen, segments), and the fused kernel without h / v_new
+    (V tiles 64 and 32: o and the final states) against the same portable run."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
     from ..kernels.chunk import chunk_gated_delta_rule_fwd
     from ..kernels.tuning import override
+    from .chunk_backward import _counting_sm90_launches
 
     s = _shapes(device)
     out = []
@@ -154,20 +156,29 @@ def chunk_sm90_vs_portable(device):
         pool0 = torch.randn(shape, device=device) * 0.5
         idx = torch.randperm(N + 2, device=device)[:N].to(torch.int32)
         idx[2] = -1
-        for sm90 in (False, True):
+        # portable; the Gluon state pass + output kernel; the fused kernel storing h / v_new too
+        modes = (("portable", False, False), ("sm90", True, False), ("sm90 fused with states", True, True))
+        for mode, sm90, fused in modes:
             pool = pool0.clone()
             # the Hopper pass forced at V tile 64 (the automatic tile leaves grids larger than a wave to the portable pass)
-            with override("chunk_fwd", state_sm90=sm90, state_sm90_BV=64, segment_chunks=seg):
+            with override("chunk_fwd", state_sm90=sm90, state_sm90_BV=64, segment_chunks=seg,
+                          state_sm90_fused_states=fused), \
+                    _counting_sm90_launches("gdn.kernels.chunk.hopper", "launch_fused_pass") as calls:
                 o, _, aux = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, s["K"] ** -0.5, pool, True, cu,
                                                        use_qk_l2norm_in_kernel=True, state_layout=layout,
                                                        state_indices=idx, final_state=pool)
+            ran = (calls[0] > 0) == fused
+            if seg < 0:     # (forced segments may keep the state pass: fused_output_plan)
+                out.append(Result("chunk", f"{mode} {layout}: fused kernel {'as' if ran else 'NOT as'} asked",
+                                  0.0 if ran else float("inf"), 0.0))
             pools.append(pool)
             res.append((o, aux["h"], aux["v_new"]))
-        name = f"sm90 vs portable {layout} seg={seg}"
-        out += [Result("chunk", name + " h", rel_err(res[1][1], res[0][1]), 4e-3),
-                Result("chunk", name + " v_new", rel_err(res[1][2], res[0][2]), 4e-3),
-                Result("chunk", name + " o", rel_err(res[1][0], res[0][0]), 4e-3),
-                Result("chunk", name + " final state", rel_err(pools[1], pools[0]), 4e-3)]
+        for (mode, _, _), r, p in zip(modes[1:], res[1:], pools[1:]):
+            name = f"{mode} vs portable {layout} seg={seg}"
+            out += [Result("chunk", name + " h", rel_err(r[1], res[0][1]), 4e-3),
+                    Result("chunk", name + " v_new", rel_err(r[2], res[0][2]), 4e-3),
+                    Result("chunk", name + " o", rel_err(r[0], res[0][0]), 4e-3),
+                    Result("chunk", name + " final state", rel_err(p, pools[0]), 4e-3)]
         for bv in (64, 32):
             pool = pool0.clone()
             with override("chunk_fwd", state_sm90_BV=bv, segment_chunks=seg):

@@ -144,10 +144,10 @@ def _sm90_gluon_available(device) -> bool:
 @contextlib.contextmanager
 def _counting_sm90_launches(module="hopper", name="launch_dh_pass"):
     """Counts calls of an sm_90 launcher (default the reverse pass, ``hopper.launch_dh_pass``; the parts kernel is
-    ``hopper_parts.launch_parts``) in its block: yields a one-item list."""
+    ``hopper_parts.launch_parts``; a dotted ``module`` is a full module path) in its block: yields a one-item list."""
     import importlib
 
-    mod = importlib.import_module(f"gdn.kernels.chunk.backward.{module}")
+    mod = importlib.import_module(module if "." in module else f"gdn.kernels.chunk.backward.{module}")
     calls = [0]
     real = getattr(mod, name)
 

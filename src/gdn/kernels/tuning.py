@@ -59,6 +59,9 @@ class ChunkForward:
     # sm_90: where the Gluon state pass takes the final pass of an ainv-mode forward that needs no h / v_new, compute
     # the output in the same kernel (a second warpgroup; hopper._chunk_fused_sm90_kernel) instead of the output kernel
     state_sm90_fused: bool = True
+    # ... also when the caller keeps h / v_new (training with bwd_save_states, return_chunk_states): the chain stores
+    # them as the state pass would (h in the tensor-core dtype; an fp32 h keeps the state pass + output kernel)
+    state_sm90_fused_states: bool = True
     # ... also as the final pass of segmented plans (few heads over long sequences), with segments re-planned so that
     # its grid fits one wave (state._one_wave_segments): no h / v_new in memory there either. H100 A/B in
     # bench/NOTES.md (kernel sums 1x8192 4/8 351 -> 206 us, 8/16 396 -> 341, 1x65536 2/8 1255 -> 1191)
@@ -94,8 +97,12 @@ class ChunkForward:
     state_split_h: bool = False
     # storage dtype of Ainv ("input" = tensor-core dtype, or "fp32")
     ainv_dtype: str = "input"
-    # training: keep the forward's h and v_new for the backward (memory: 0.8 GB at 1x32768 16/32); pending GPU A/B
-    bwd_save_states: bool = False
+    # training: keep the forward's h and v_new for the backward instead of recomputing them there (on sm_90 the fused
+    # forward kernel stores them: state_sm90_fused_states). The op's peak is unchanged (the backward allocated both
+    # anyway; H200 1x32768 16/32 3218 MB, fla 3862) but they are saved activations from the forward to the backward:
+    # +0.8 GB per layer at 1x32768 16/32 (h [NT, HV, K, V] and v_new [B, T, HV, V], bf16); false recomputes them.
+    # H200 fwd + bwd 5.73 -> 5.09 ms, 64/64 10.01 -> 9.18 (bench/NOTES.md, Kept table 2026-11-26)
+    bwd_save_states: bool = True
     # segmented state pass: 0 = heuristic (gdn.kernels.chunk.plan.choose_segment_len), -1 = never, n > 0 = always
     segment_chunks: int = 0
     # the heuristic's model: resident state-pass CTAs per SM, one merge step in chunk steps, segment only when the

@@ -169,8 +169,8 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         from gdn.kernels.chunk.forward import chunk_gated_delta_rule_fwd
 
         # Ainv (tensor-core dtype, [B, T, HV, 64]), the chunk-local gate cumsum and k's L2 row scalings are kept for
-        # the backward (as fla keeps A): it then recomputes only W / U and the chunk states, not the solve; with
-        # the tuning field chunk_fwd.bwd_save_states the chunk states h and v_new are kept too (memory for time)
+        # the backward (as fla keeps A), and with the tuning field chunk_fwd.bwd_save_states (default) the chunk
+        # states h and v_new too: the backward then recomputes only W (else also the chunk states)
         keep = bool(tuning.chunk_fwd(q.device).bwd_save_states)
         o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                 cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, state_layout="v_last",

@@ -55,9 +55,13 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     a_dtype = torch.float32 if cfg.ainv_dtype == "fp32" else dt
     l2 = bool(use_qk_l2norm_in_kernel)
     ckpt = checkpoint_indices is not None and checkpoint_indices.shape[1] > 0
-    # Hopper: the output computed by the state pass itself (P and qf from the prepare kernel; no h / v_new in memory)
+    if h_dtype is None:
+        h_dtype = torch.float32 if cfg.h_dtype == "fp32" else dt
+    # Hopper: the output computed by the state pass itself (P and qf from the prepare kernel; h / v_new in memory
+    # only when asked for, and then only in the tensor-core dtype: chunk_fwd.state_sm90_fused_states)
+    fused_ok = not return_states or (cfg.state_sm90_fused_states and h_dtype == dt)
     bv_fused, plan = (fused_output_plan(q, k, v, ci, segment_chunks, ckpt)
-                      if (not return_states and from_ainv and a_dtype == dt) else (0, None))
+                      if (fused_ok and from_ainv and a_dtype == dt) else (0, None))
     if cfg.piece_token_heads and not (_whole or return_states or store_ainv or ckpt or final_indices is not None) \
             and state_indices is None and final_state is None and (ci.N == 1 or cu_seqlens is None) \
             and not (plan is not None and plan.segmented):
@@ -70,13 +74,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
                              ainv_dtype=a_dtype, rk=rk, q=q if bv_fused else None, scale=scale)
     g_cum, ainv, w, u = prep[:4]
-    if h_dtype is None:
-        h_dtype = torch.float32 if cfg.h_dtype == "fp32" else dt
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     fuse = None
     if bv_fused:
         o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
-        fuse = dict(q=q, p=prep[4], qf=prep[5], o=o, o_idx=state_indices, PO=P, BV=bv_fused, plan=plan)
+        fuse = dict(q=q, p=prep[4], qf=prep[5], o=o, o_idx=state_indices, PO=P, BV=bv_fused, plan=plan,
+                    states=return_states)
     h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
                                     use_qk_l2norm_in_kernel, v=v if from_ainv else None,
                                     beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,
@@ -85,7 +88,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                     rk=rk, final_indices=final_indices, checkpoint_indices=checkpoint_indices,
                                     checkpoint_every=checkpoint_every, output=fuse)
     if fuse is not None:
-        return fuse["o"], ht, dict(g_cum=g_cum, ainv=ainv, h=None, v_new=None, chunk_index=ci, rk=rk)
+        return fuse["o"], ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk)
     if not store_ainv:
         # Ainv (or W / U) is dead once the state pass has read it: freed before the output kernel allocates o, so
         # the call's peak is o + h + v_new, not o + h + v_new + Ainv (stream order keeps the state pass's reads

@@ -339,24 +339,29 @@ if G.AVAILABLE:
 
     @gluon.jit
     def _chunk_fused_sm90_kernel(
-        k_desc, v_desc, a_desc, q_desc, p_desc,
-        beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx, segments, cu_seqlens,
+        k_desc, v_desc, a_desc, q_desc, p_desc, h_desc,
+        beta, gcum, rk_in, qf, o, vnew, h0, ht, h0_idx, ht_idx, o_idx, segments, cu_seqlens, chunk_offsets,
         T, P0, P1, PO, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
-        H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
-        HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, OUT_REGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
+        STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
+        NS: gl.constexpr, OUT_REGS: gl.constexpr, num_warps: gl.constexpr,
     ):
-        """State pass and output in one kernel (no h / v_new in memory): per (V tile, value head, segment) a state
-        partition (the default 4 warps, :func:`_state_steps`) and an output partition (4 more warps,
-        :func:`_output_steps`) that computes the output of chunk c while the state partition runs chunk c + 1."""
+        """State pass and output in one kernel: per (V tile, value head, segment) a state partition (the default 4
+        warps, :func:`_state_steps`) and an output partition (4 more warps, :func:`_output_steps`) that computes the
+        output of chunk c while the state partition runs chunk c + 1. STORE_H / STORE_VNEW: the chain also stores
+        h per chunk (TMA, from its hand-off slot) and v_new, as the state pass does (else neither is in memory)."""
         C: gl.constexpr = 64
         NH: gl.constexpr = 2                # hand-off slots: the chain runs at most one chunk ahead of the output
         i_v = gl.program_id(0)
         i_hv = gl.program_id(1)
         i_s = gl.program_id(2)
         n, c_beg, c_end, i_b, bos, eos = _segment_span(segments, cu_seqlens, i_s, T, IS_VARLEN)
+        if STORE_H:
+            choff = gl.load(chunk_offsets + n)
+        else:
+            choff = 0
         dt: gl.constexpr = k_desc.dtype
         k_s = gl.allocate_shared_memory(dt, [NS, C, K], k_desc.layout)
         v_s = gl.allocate_shared_memory(dt, [NS, C, BV], v_desc.layout)
@@ -381,12 +386,12 @@ if G.AVAILABLE:
             mbarrier.init(ready.index(j), count=1)
             mbarrier.init(free.index(j), count=1)
         gl.warp_specialize([
-            (_state_steps, (k_desc, v_desc, a_desc, k_desc, beta, gcum, rk_in, o, h0, ht, h0_idx, ht_idx,
+            (_state_steps, (k_desc, v_desc, a_desc, h_desc, beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx,
                             k_s, v_s, a_s, bars, h_s, r_s, d_s, vn_s, ready, free,
-                            n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, 0, T, P0, P1,
+                            n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
                             s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-                            H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, False, False, STORE_FINAL,
-                            HT_BY_SEG, HT_INDEXED, NS, True, True)),
+                            H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW,
+                            STORE_FINAL, HT_BY_SEG, HT_INDEXED, NS, True, True)),
             (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx,
                              n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV, O_INDEXED)),
         ], [4], [OUT_REGS])
@@ -480,11 +485,12 @@ def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
 
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
                       cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
-                      H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2):
+                      H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, h_out=None, vnew=None, chunk_offsets=None):
     """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
     (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs) and the final state;
-    no h / v_new. ``o_idx``: the pool index whose invalid rows give zero outputs (None: every sequence is valid).
-    Other arguments as :func:`launch_state_pass` (ainv mode)."""
+    h [NT, HV, K, V] (k's dtype, with ``chunk_offsets``) and v_new [B, T, HV, V] only when given. ``o_idx``: the
+    pool index whose invalid rows give zero outputs (None: every sequence is valid). Other arguments as
+    :func:`launch_state_pass` (ainv mode)."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
@@ -492,10 +498,14 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
     a_desc = _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
     p_desc = _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
+    # no h store: a descriptor is still an argument (never stored through)
+    h_desc = _desc(h_out.view(-1, V), (K, BV), dn) if h_out is not None else q_desc
     launch(_chunk_fused_sm90_kernel, grid,
-        k_desc, v_desc, a_desc, q_desc, p_desc,
-        beta, g_cum, rk, qf, o, h0 if h0 is not None else g_cum, ht if ht is not None else g_cum, h0_idx, ht_idx,
-        o_idx if o_idx is not None else h0_idx, segments, cu_seqlens, T, P0, P1, PO, *s_beta, *s0, *s1,
+        k_desc, v_desc, a_desc, q_desc, p_desc, h_desc,
+        beta, g_cum, rk, qf, o, vnew if vnew is not None else o, h0 if h0 is not None else g_cum,
+        ht if ht is not None else g_cum, h0_idx, ht_idx, o_idx if o_idx is not None else h0_idx, segments, cu_seqlens,
+        chunk_offsets if chunk_offsets is not None else segments, T, P0, P1, PO, *s_beta, *s0, *s1,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
-        H0_INDEXED=H0_INDEXED, STORE_FINAL=ht is not None, HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED,
-        O_INDEXED=o_idx is not None, NS=stages, OUT_REGS=OUTPUT_PARTITION_REGS, num_warps=4)
+        H0_INDEXED=H0_INDEXED, STORE_H=h_out is not None, STORE_VNEW=vnew is not None, STORE_FINAL=ht is not None,
+        HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, O_INDEXED=o_idx is not None, NS=stages,
+        OUT_REGS=OUTPUT_PARTITION_REGS, num_warps=4)

@@ -346,7 +346,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     padding sequences write nothing), in the same pass (the portable kernel: the Hopper pass says unsupported).
     ``output``: dict(q=, p=, qf=, o=, o_idx=, PO=, BV=, plan=) computes the output in the same pass with the fused
     Hopper kernel (``hopper._chunk_fused_sm90_kernel``; BV and plan from :func:`fused_output_plan`): o [B, T, HV, V]
-    (contiguous) is written from P / qf of the prepare kernel, and h / v_new are None (never in memory).
+    (contiguous) is written from P / qf of the prepare kernel, and h / v_new are None (never in memory) unless
+    ``output["states"]`` (then the fused kernel stores them too; h in the tensor-core dtype).
     v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
     ``buffers``: (h, v_new) tensors of those shapes and dtypes to write instead of new ones (the backward allocates
     them on the stream that consumes them before running this pass on a side stream).
@@ -391,11 +392,12 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         sm90 = (cfg.state_sm90 and xs is not None and not split_h
                 and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, checkpoints=ckpt))
         plan, sm90_tile = _pass_plan(ci, HV, K, V, dev, sm90, segment_chunks)
+    keep = not fused or bool(output.get("states"))
     if buffers is not None:
         h, v_new = buffers
     else:
-        h = _empty(ci.NT, HV, K, V, device=dev, dtype=h_dtype) if (store_h and not fused) else None
-        v_new = _empty(B, T, HV, V, device=dev, dtype=vnew_dtype) if (store_vnew and not fused) else None
+        h = _empty(ci.NT, HV, K, V, device=dev, dtype=h_dtype) if (store_h and keep) else None
+        v_new = _empty(B, T, HV, V, device=dev, dtype=vnew_dtype) if (store_vnew and keep) else None
     dummy = g_cum
     idx = state_indices
     out_idx = idx if final_indices is None else _written_rows(final_indices, idx, P_read=(
@@ -430,7 +432,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 output["PO"], sb, s0, s1, H=H, HV=HV, K=K, V=V, use_l2=l2,
                 is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
-                BV=bv_fused, stages=cfg.state_sm90_stages)
+                BV=bv_fused, stages=cfg.state_sm90_stages, h_out=h_out, vnew=vn_out, chunk_offsets=ci.chunk_offsets)
             return
         bv9 = sm90_tile(S * HV) if (not fused and n_extra == 0 and Vd == V) else 0
         if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,
