@@ -31,7 +31,8 @@ class ChunkForward:
     # 128: four programs per SM instead of three (H200: prepare -4 to -9%)
     prepare_maxnreg: int = 128
     # sm_90: the forward's prepare (Ainv, g_cum, r_k; P and qf) as the Gluon kernel of
-    # gdn.kernels.chunk.hopper_prepare where it supports the launch (bench/NOTES.md); its register cap (0: none)
+    # gdn.kernels.chunk.hopper_prepare where it supports the launch (bench/NOTES.md); its register cap with P
+    # (0: none; 168: 3 CTAs per SM instead of 2, no spills; without P it builds at ~133 and runs uncapped)
     prepare_sm90: bool = True
     prepare_sm90_maxnreg: int = 168
     # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half

@@ -58,8 +58,9 @@ if G.AVAILABLE:
     @gluon.jit
     def _unit_lower_inverse_sm90(A, f_s, d_s, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr):
         """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A in layout ``mma`` (module docstring). Scratch
-        (fp32): f_s [64, 64] and d_s [64, 16] plain; l_s and dt_s [64, 64] NVMMA. Returns fp32
-        in ``mma``."""
+        (fp32): f_s [64, 64] (A, for its diagonal blocks) and d_s [64, 16] plain; l_s and dt_s [64, 64] NVMMA.
+        Dinv^T is assembled in registers (a [4, 16, 4, 16] select reshaped to [64, 64]) and stored once, to dt_s.
+        Returns fp32 in ``mma``."""
         C: gl.constexpr = 64
         rl: gl.constexpr = gl.SliceLayout(1, mma)
         cl: gl.constexpr = gl.SliceLayout(0, mma)
@@ -86,21 +87,20 @@ if G.AVAILABLE:
             y = gl.sum(a_i[:, None, :] * yt, axis=2)                     # [b, j] = (D_b Y_b)[i, j]
             e_i = gl.where(jj == i, 1.0, 0.0)
             yt = gl.where(kk[None, None, :] == i, e_i[None, :, None] - y[:, :, None], yt)
-        # ---- Dinv^T [64, 64] (diagonal block b: yt[b], zeros elsewhere) in f_s, then an NVMMA copy in dt_s
-        cta_barrier()
-        d_s.store(gl.reshape(yt, [64, 16]))
-        f_s.store(gl.zeros([C, C], gl.float32, layout=mma))
-        cta_barrier()
-        l16: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [1, num_warps], [1, 0])
-        for b in gl.static_range(4):
-            f_s.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).store(d_s.slice(16 * b, 16, dim=0).load(l16))
-        cta_barrier()
+        # ---- Dinv^T [64, 64] (diagonal block b: yt[b], zeros elsewhere), built in registers: [b, j, c, k] -> [64, 64]
+        l4: gl.constexpr = gl.BlockedLayout([1, 1, 4, 8], [1, 16, 1, 2], [num_warps, 1, 1, 1], [3, 2, 1, 0])
+        b4 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
+        c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, l4))))
+        y4 = gl.expand_dims(gl.convert_layout(yt, gl.SliceLayout(2, l4)), 2)
+        dinv_t = gl.reshape(gl.where(b4[:, None, None, None] == c4[None, None, :, None], y4, 0.0), [C, C])
         # the tf32 products (instruction K = 8); the accumulator layout is ``mma``'s
         mt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, C, 8])
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mt, k_width=1)
-        dinv = f_s.permute((1, 0)).load(dot_a)
-        dt_s.store(f_s.load(mma))
+        dt_s.store(dinv_t)
+        fence_async_shared()
+        cta_barrier()
+        dinv = dt_s.permute((1, 0)).load(dot_a)
         # ---- M = Dinv L, M^2, M^3 = M^2 M, (I - M + M^2 - M^3) Dinv; right operands stored transposed
         low = (tr[:, None] // 16) > (tc[None, :] // 16)
         l_s.store(gl.permute(gl.where(low, A, 0.0), (1, 0)))
