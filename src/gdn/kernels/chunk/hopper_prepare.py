@@ -56,26 +56,23 @@ if G.AVAILABLE:
         gl.store(ptr + offs[:, None] + cc[None, :], y, mask=(r < nv)[:, None])
 
     @gluon.jit
-    def _unit_lower_inverse_sm90(A, f_s, d_s, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr):
+    def _unit_lower_inverse_sm90(A, d_s, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr):
         """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A in layout ``mma`` (module docstring). Scratch
-        (fp32): f_s [64, 64] (A, for its diagonal blocks) and d_s [64, 16] plain; l_s and dt_s [64, 64] NVMMA.
-        Dinv^T is assembled in registers (a [4, 16, 4, 16] select reshaped to [64, 64]) and stored once, to dt_s.
-        Returns fp32 in ``mma``."""
+        (fp32): d_s [64, 16] plain, l_s and dt_s [64, 64] NVMMA. The diagonal blocks are cut from A and Dinv^T is
+        assembled in registers (A viewed as [4, 16, 4, 16] blocks; a select reshaped back to [64, 64]), so only the
+        substitution's rows and the products' operands go through shared memory. Returns fp32 in ``mma``."""
         C: gl.constexpr = 64
         rl: gl.constexpr = gl.SliceLayout(1, mma)
         cl: gl.constexpr = gl.SliceLayout(0, mma)
         tr = gl.arange(0, C, layout=rl)
         tc = gl.arange(0, C, layout=cl)
-        # ---- the diagonal blocks as rows 4 i + b of d_s [64, 16]: D_b[i, :]
-        f_s.store(A)
-        cta_barrier()
-        l3: gl.constexpr = gl.BlockedLayout([1, 4, 2], [16, 1, 2], [1, 1, num_warps], [2, 1, 0])
-        bi = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3)))
-        d3 = gl.zeros([16, 4, 16], gl.float32, layout=l3)
-        for b in gl.static_range(4):
-            blk = f_s.slice(16 * b, 16, dim=0).slice(16 * b, 16, dim=1).load(gl.SliceLayout(1, l3))
-            d3 = gl.where(bi[None, :, None] == b, gl.expand_dims(blk, 1), d3)
-        d_s.store(gl.reshape(d3, [64, 16]))
+        # ---- the diagonal blocks as rows 4 i + b of d_s [64, 16]: D_b[i, :] (A as [b, i, c, k], the c == b slice)
+        l4d: gl.constexpr = gl.BlockedLayout([1, 1, 4, 4], [1, 8, 1, 4], [num_warps, 1, 1, 1], [3, 2, 1, 0])
+        a4 = gl.convert_layout(gl.reshape(A, [4, 16, 4, 16]), l4d)
+        bd = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, l4d))))
+        cd = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, l4d))))
+        d3 = gl.sum(gl.where(bd[:, None, None, None] == cd[None, None, :, None], a4, 0.0), axis=2)
+        d_s.store(gl.reshape(gl.permute(d3, (1, 0, 2)), [64, 16]))
         cta_barrier()
         # ---- forward substitution, all four blocks at once: yt[b, j, k] = Y_b[k, j], (I + D_b) Y_b = I
         ly: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 16, 2], [num_warps, 1, 1], [2, 1, 0])
@@ -158,7 +155,6 @@ if G.AVAILABLE:
         else:
             mbarrier.expect(bar, C * K * (dt.primitive_bitwidth // 8))
             tma_load(k_desc, [tok0 + t0, i_h * K], bar, k_s)
-        f_s = gl.allocate_shared_memory(gl.float32, [C, C], plain)
         d_s = gl.allocate_shared_memory(gl.float32, [C, 16], plain)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -221,7 +217,7 @@ if G.AVAILABLE:
             dt_s = _as_f32_tile(q_s, C, nvmma)
         else:
             dt_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
-        ai = _unit_lower_inverse_sm90(a, f_s, d_s, l_s, dt_s, mma, num_warps)
+        ai = _unit_lower_inverse_sm90(a, d_s, l_s, dt_s, mma, num_warps)
         _store_tile(ainv, ai.to(dt), row_off, nv, C, num_warps)
 
 
