@@ -323,4 +323,17 @@ def chunk_prepare_elementwise(device):
             u_ref[c0:c1] = (blk @ fv[c0:c1].transpose(0, 1)).transpose(0, 1)
     compare("W recompute", w[0], w_ref, 1e-2)
     compare("U recompute", u[0], u_ref, 1e-2)
+    if _sm90_gluon_available(device):
+        # the sm_90 prepare's other builds against the portable kernel: K = 64 (its solve scratch in tiles of its
+        # own), fp16, four value heads per key head, no GVA
+        for H2, HV2, K2, dt2 in ((2, 4, 64, torch.bfloat16), (2, 8, 128, torch.float16), (4, 4, 64, torch.float16)):
+            y = make_inputs(1, T, H2, HV2, K2, K2, dtype=dt2, device=device)
+            res = []
+            for sm90 in (False, True):
+                with override("chunk_fwd", prepare_sm90=sm90):
+                    res.append(chunk_fwd_prepare(y.k, y.v, y.g, y.beta, cu, 64, True, store_wu=False, ainv_dtype=dt2,
+                                                 q=y.q, scale=K2 ** -0.5))
+            for name, i in (("g_cum", 0), ("Ainv", 1), ("P", 4), ("qf", 5)):
+                compare(f"K={K2} {H2}/{HV2} {str(dt2)[6:]} {name}: sm_90 vs portable", res[1][i], res[0][i],
+                        1e-2 if name in ("Ainv", "P") else 1e-5)
     return out
