@@ -19,6 +19,9 @@ try:
         tma_load, tma_store = tma.async_copy_global_to_shared, tma.async_copy_shared_to_global
     # CTA-wide barrier: gl.thread_barrier up to 3.6, gl.barrier later
     cta_barrier = gl.barrier if hasattr(gl, "barrier") else gl.thread_barrier
+    # a shared-memory view with another dtype / shape / layout: shared_memory_descriptor._reinterpret up to 3.6,
+    # .reinterpret later (Gluon code picks the name by this flag as a constexpr)
+    PUBLIC_REINTERPRET = hasattr(gl.shared_memory_descriptor, "reinterpret")
     AVAILABLE = hasattr(tma, "store_wait")
 except Exception:  # pragma: no cover - Triton without Gluon
     AVAILABLE = False

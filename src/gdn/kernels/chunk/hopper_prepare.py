@@ -1,14 +1,15 @@
 """Hopper (sm_90) form of the forward's prepare kernel (``prepare._chunk_prepare_kernel`` in its forward modes:
 g_cum, Ainv in the tensor-core dtype, r_k, and with q the output's P and qf), written in Gluon: one CTA (4 warps)
-per (chunk, key head), looping over the key head's HV / H value heads.
+per (chunk, value head), the grid as the portable kernel's (value heads fastest, so a key head's k / q tiles come
+from memory once).
 
-Per CTA (one chunk of C = 64 tokens; notation of ``prepare.py``)::
+Per CTA (one chunk of C = 64 tokens, one value head; notation of ``prepare.py``)::
 
-    k, q [64, K]     one TMA copy each into shared memory
-    K K^T, Q K^T     asynchronous wgmma, once per key head (the portable kernel does them per value head);
-    |q|^2            r_k and r_q are the inverse norms read off the diagonals of K K^T and Q Q^T
-    per value head:  c = cumsum(g) (a masked row sum), Gamma, P and qf (with q), A = strictLower(diag(beta r_k)
-                     (Gamma * K K^T) diag(r_k)), Ainv = (I + A)^-1, stores
+    k, q [64, K]          one TMA copy each into shared memory (g and beta loaded while they land)
+    c                     cumsum(g) as a masked row sum
+    K K^T, Q Q^T, Q K^T   asynchronous wgmma; r_k and r_q are the inverse norms read off the diagonals
+    A, P, qf              A = strictLower(diag(beta r_k) (Gamma * K K^T) diag(r_k)); P and qf with q
+    Ainv = (I + A)^-1     below; Ainv and P leave through 16-byte stores of the valid rows
 
 The solve (same math and tf32 products as the portable ``_unit_lower_inverse64``): the four 16 x 16 diagonal
 blocks D_b of A are inverted by forward substitution on a [4, 16, 16] stack laid out so that each thread holds
@@ -33,8 +34,7 @@ if G.AVAILABLE:
     from .hopper import _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma_load, warpgroup_mma, \
         warpgroup_mma_wait
 
-    # shared_memory_descriptor.reinterpret: "_reinterpret" up to 3.6
-    _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(hasattr(gl.shared_memory_descriptor, "reinterpret"))
+    _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(G.PUBLIC_REINTERPRET)
 
     @gluon.jit
     def _as_f32_tile(buf, C: gl.constexpr, layout: gl.constexpr):
