@@ -283,28 +283,31 @@ def chunk_prepare_elementwise(device):
     def compare(name, got, want, tol):
         out.append(Result("chunk", f"prepare {name} (max error / max)", max_rel_err(got, want), tol))
 
-    def forward_prepare(with_p, rk):
-        return chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False, ainv_dtype=torch.bfloat16,
-                                 q=x.q if with_p else None, scale=scale, rk=rk)
+    def forward_prepare(y, with_p, rk=None):
+        return chunk_fwd_prepare(y.k, y.v, y.g, y.beta, cu, 64, True, store_wu=False, ainv_dtype=y.k.dtype,
+                                 q=y.q if with_p else None, scale=y.k.shape[-1] ** -0.5, rk=rk)
+
+    def sm90_vs_portable(label, y, with_p):
+        """the sm_90 (Gluon) prepare against the portable kernel on the same inputs, r_k included"""
+        res, rks = [], []
+        for sm90 in (False, True):
+            rks.append(torch.full((1, T, y.k.shape[2]), float("nan"), device=device))
+            with override("chunk_fwd", prepare_sm90=sm90):
+                res.append(forward_prepare(y, with_p, rks[-1]))
+        for name, i in (("g_cum", 0), ("Ainv", 1)) + ((("P", 4), ("qf", 5)) if with_p else ()):
+            compare(f"{label} {name}: sm_90 vs portable", res[1][i], res[0][i], 1e-2 if name in ("Ainv", "P") else 1e-5)
+        compare(f"{label} r_k: sm_90 vs portable", rks[1], rks[0], 1e-5)
 
     for with_p in (False, True):
         mode = "forward, P and qf" if with_p else "forward"
-        r = twice(mode, lambda: forward_prepare(with_p, None))
+        r = twice(mode, lambda: forward_prepare(x, with_p))
         compare(mode + " g_cum", r[0], ref["g_cum"], 1e-5)
         compare(mode + " Ainv bf16", r[1], ref["ainv"], 1e-2)
         if with_p:
             compare(mode + " P", r[4], ref["p"], 1e-2)
             compare(mode + " qf", r[5], ref["qf"], 1e-5)
         if _sm90_gluon_available(device):
-            # the sm_90 (Gluon) prepare against the portable kernel, r_k included
-            rks = [torch.full((1, T, H), float("nan"), device=device) for _ in range(2)]
-            with override("chunk_fwd", prepare_sm90=False):
-                r0 = forward_prepare(with_p, rks[0])
-            r1 = forward_prepare(with_p, rks[1])
-            names = ["g_cum", "Ainv", None, None, "P", "qf"]
-            for name, a1, a0 in zip(names + ["r_k"], list(r1) + [rks[1]], list(r0) + [rks[0]]):
-                if name is not None:
-                    compare(f"{mode} {name}: sm_90 vs portable", a1, a0, 1e-2 if name in ("Ainv", "P") else 1e-5)
+            sm90_vs_portable(mode, x, with_p)
     r32 = twice("fp32 Ainv", lambda: chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False))
     compare("fp32 Ainv", r32[1], ref["ainv"], 1e-4)
     # W = Ainv diag(beta exp(c) r_k) K and U = Ainv diag(beta) V per chunk, from the kernel's own bf16 Ainv
@@ -324,16 +327,9 @@ def chunk_prepare_elementwise(device):
     compare("W recompute", w[0], w_ref, 1e-2)
     compare("U recompute", u[0], u_ref, 1e-2)
     if _sm90_gluon_available(device):
-        # the sm_90 prepare's other builds against the portable kernel: K = 64 (its solve scratch in tiles of its
-        # own), fp16, four value heads per key head, no GVA
+        # the sm_90 prepare's other builds: K = 64 (its solve scratch in tiles of its own), fp16, four value heads per
+        # key head, no GVA
         for H2, HV2, K2, dt2 in ((2, 4, 64, torch.bfloat16), (2, 8, 128, torch.float16), (4, 4, 64, torch.float16)):
             y = make_inputs(1, T, H2, HV2, K2, K2, dtype=dt2, device=device)
-            res = []
-            for sm90 in (False, True):
-                with override("chunk_fwd", prepare_sm90=sm90):
-                    res.append(chunk_fwd_prepare(y.k, y.v, y.g, y.beta, cu, 64, True, store_wu=False, ainv_dtype=dt2,
-                                                 q=y.q, scale=K2 ** -0.5))
-            for name, i in (("g_cum", 0), ("Ainv", 1), ("P", 4), ("qf", 5)):
-                compare(f"K={K2} {H2}/{HV2} {str(dt2)[6:]} {name}: sm_90 vs portable", res[1][i], res[0][i],
-                        1e-2 if name in ("Ainv", "P") else 1e-5)
+            sm90_vs_portable(f"K={K2} {H2}/{HV2} {str(dt2)[6:]}", y, True)
     return out

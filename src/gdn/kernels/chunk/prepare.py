@@ -246,7 +246,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
             and hopper_prepare.supported(k, q, K, ainv_dtype, solve_prec):
         hopper_prepare.launch_prepare(
             k, q, g, beta, g_cum, ainv, rk if store_rk else None, p, qf, ci.chunk_indices,
-            _cu_arg(cu_seqlens, None), ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
+            cu_seqlens, ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
             use_l2=bool(use_qk_l2norm_in_kernel), is_varlen=ci.is_varlen,
             maxnreg=(int(cfg.prepare_sm90_maxnreg) or None) if q is not None else None)
         return (g_cum, ainv, w, u) + extra
