@@ -290,6 +290,32 @@ def test_one_wave_segments_for_the_fused_final_pass(monkeypatch):
     assert bv == 0                                                                  # 64 heads: one segment is a wave
 
 
+
+@pytest.mark.parametrize("T, HV, pays", [
+    (8192, 8, False),      # 4 segments of 32 chunks: 116 fused steps modelled against 128 plain (H200: 197 / 210 us)
+    (16384, 8, True),      # 4 of 64: 196 against 256 (343 / 411 us)
+    (8192, 16, False),     # 2 of 64: 178 against 128 (322 / 236 us)
+    (32768, 16, False),    # 2 of 256 (1137 / 917 us)
+    (65536, 8, True),      # 4 of 256: 676 against 1024
+])
+def test_segmented_fused_forward_only_where_it_pays(monkeypatch, T, HV, pays):
+    """The segmented fused forward (segment pass + merge + fused final pass over one-wave segments) is kept only
+    where its model beats the plain fused pass by segment_gain; the cases are the H200 kernel sums of the tuning
+    comment (8 / 16 value heads, V = 128, 132 SMs)."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import state
+    from gdn.kernels.chunk.plan import plan_segments, prepare_chunk_indices
+
+    monkeypatch.setattr(state, "_num_sms", lambda dev: 132)
+    dev = torch.device("cpu")
+    ci = prepare_chunk_indices(None, T, 64, 1, device=dev)
+    bv, plan = state._one_wave_segments(ci, HV, 128, dev, plan_segments(ci, 8, dev))
+    assert bv == 32 and plan.segmented
+    assert state._segments_pay(ci, plan, tuning.chunk_fwd(dev)) is pays
+    # a merge priced at nothing and a free segment pass: segments always pay where the split is at least 2
+    with tuning.override("chunk_fwd", state_sm90_merge_cost=0.0, state_sm90_segment_pass_cost=0.0):
+        assert state._segments_pay(ci, plan, tuning.chunk_fwd(dev))
+
 @pytest.mark.parametrize("form", ["one sequence", "varlen one sequence", "batch"])
 @pytest.mark.parametrize("layout", ["v_last", "k_last"])
 def test_inference_forward_in_pieces_equals_whole(monkeypatch, form, layout):

@@ -293,7 +293,21 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg):
         # segmented plans (long sequences, few heads): segments re-planned so that the fused final pass fits one wave
         # (with the planner's segments its grid took several: gdn bench 1x8192 8/16 0.63 -> 1.15 ms, H200)
         bv, plan = _one_wave_segments(ci, HV, V, dev, plan)
+        plain_bv = sm90_tile(ci.N * HV)
+        if bv and plain_bv and not _segments_pay(ci, plan, cfg):
+            bv, plan = plain_bv, plan_segments(ci, None, dev)
     return (bv, plan) if bv and hopper.fused_supported(q, k, bv) else (0, None)
+
+
+def _segments_pay(ci: ChunkIndex, plan, cfg) -> bool:
+    """Whether the segmented fused forward (segment pass, merge, fused final pass over ``plan``'s one-wave segments)
+    is modelled faster than the plain fused pass over whole sequences (tuning ``state_sm90_segment_pass_cost``,
+    ``state_sm90_merge_cost``, ``segment_gain``; costs in fused chunk steps)."""
+    longest = max(ci.nchunks)
+    L = max(1, plan.seg_len)
+    per_seq = -(-longest // L)
+    seg = min(L, longest) * (1.0 + float(cfg.state_sm90_segment_pass_cost)) + float(cfg.state_sm90_merge_cost) * per_seq
+    return seg < float(cfg.segment_gain) * longest
 
 
 def _one_wave_segments(ci: ChunkIndex, HV: int, V: int, dev, plan):
