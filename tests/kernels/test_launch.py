@@ -62,6 +62,24 @@ def test_descriptor_key_refines_triton_specialisation():
     assert len({L.arg_key(d) for d in descs}) == 6
 
 
+def test_unchecked_descriptor_equals_the_checked_one():
+    """hopper._desc builds the TMA descriptor without the dataclass's validation (host time): the result must be the
+    descriptor the checked constructor gives (every field, equality, the launch key), on the installed Triton."""
+    pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
+    from gdn.kernels import _gluon_api as G
+    from gdn.kernels.chunk import hopper as H
+
+    if not G.AVAILABLE:
+        pytest.skip("no Gluon TMA in this Triton")
+    base = torch.randn(3, 100, 4, 128).to(torch.bfloat16)
+    for x2d, block in ((H._rows2d(base), (64, 128)), (base.view(-1, 128), (128, 32)), (base[1].reshape(100, 512), (64, 64))):
+        fast = H._desc(x2d, block, "bfloat16")
+        checked = G.TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), list(block),
+                                     H._smem_layout(tuple(block), "bfloat16"))
+        assert type(fast) is type(checked) and vars(fast) == vars(checked) and fast == checked
+        assert fast.base is x2d and L.arg_key(fast) == L.arg_key(checked)
+
+
 def _kernel_src(x_ptr, y_ptr, n, scale, BLOCK: "tl.constexpr", FLAG: "tl.constexpr" = False, TAIL: "tl.constexpr" = 7):
     pass
 

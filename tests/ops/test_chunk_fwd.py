@@ -269,39 +269,37 @@ def test_forced_segments(seg):
 
 
 def test_one_wave_segments_for_the_fused_final_pass(monkeypatch):
-    """Segments re-planned for a fused final pass: the shortest power-of-two segments (no shorter than the
-    planner's) whose grid V / tile x HV x segments fits one CTA per SM, at V tile 32 first; none where no split
-    fits."""
+    """Segment length for a fused final pass: the shortest power-of-two multiple of the planner's length whose grid
+    V / tile x HV x segments fits one CTA per SM; 0 where no split fits or the tile does not divide V."""
     from gdn.kernels.chunk import state
-    from gdn.kernels.chunk.plan import plan_segments, prepare_chunk_indices
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
 
     monkeypatch.setattr(state, "_num_sms", lambda dev: 132)
     dev = torch.device("cpu")
     ci = prepare_chunk_indices(None, 65536, 64, 1, device=dev)                      # 1024 chunks
-    bv, plan = state._one_wave_segments(ci, 8, 128, dev, plan_segments(ci, 64, dev))
-    assert (bv, plan.S, plan.seg_len) == (32, 4, 256)                              # 4 x 8 x 4 = 128 CTAs
-    assert plan.segments[:, 1].tolist() == [0, 256, 512, 768] and plan.segments[:, 2].tolist()[-1] == 1024
+    assert state._one_wave_len(ci, 8, 128, 32, dev, 64) == 256                      # 4 x 8 x 4 = 128 CTAs
+    assert state._one_wave_len(ci, 8, 128, 64, dev, 64) == 128                      # 8 x 8 x 2 = 128 CTAs
+    assert state._one_wave_len(ci, 8, 96, 64, dev, 64) == 0                         # 64 does not divide 96
     cu = torch.tensor([0, 64 * 100, 64 * 100 + 64 * 30 + 5], dtype=torch.int32)      # 100 and 31 chunks
     ci2 = prepare_chunk_indices(cu, int(cu[-1]), 64, 1, device=dev)
-    bv, plan = state._one_wave_segments(ci2, 16, 128, dev, plan_segments(ci2, 8, dev))
     # V tile 32 leaves room for 2 segments (no split of the 100-chunk sequence); V tile 64 for 4: 64 + 36, 31
-    assert (bv, plan.S, plan.seg_len) == (64, 3, 64)
-    bv, plan = state._one_wave_segments(ci, 64, 128, dev, plan_segments(ci, 64, dev))
-    assert bv == 0                                                                  # 64 heads: one segment is a wave
+    assert state._one_wave_len(ci2, 16, 128, 32, dev, 8) == 0
+    assert state._one_wave_len(ci2, 16, 128, 64, dev, 8) == 64
+    assert state._one_wave_len(ci, 64, 128, 32, dev, 64) == 0                       # 64 heads: one segment is a wave
 
 
-
-@pytest.mark.parametrize("T, HV, pays", [
-    (8192, 8, False),      # 4 segments of 32 chunks: 116 fused steps modelled against 128 plain (H200: 197 / 210 us)
-    (16384, 8, True),      # 4 of 64: 196 against 256 (343 / 411 us)
-    (8192, 16, False),     # 2 of 64: 178 against 128 (322 / 236 us)
-    (32768, 16, False),    # 2 of 256 (1137 / 917 us)
-    (65536, 8, True),      # 4 of 256: 676 against 1024
+@pytest.mark.parametrize("T, HV, want", [
+    (8192, 8, (32, None)),      # plain (H200 forward kernels: plain 210 us, segmented 197, two launches more)
+    (8192, 16, (32, None)),     # plain (236 us; segmented at V tile 32 320)
+    (32768, 16, (32, None)),    # plain (915 us; segmented at V tile 32 1125)
+    (16384, 8, (64, 32)),       # segments of 32 chunks at V tile 64 (307 us; 64-chunk ones at tile 32: 341; plain 411)
+    (32768, 8, (64, 64)),       # (502 us; at V tile 32: 615)
+    (65536, 8, (64, 128)),      # 2/8 (877 us; at V tile 32: 1131)
+    (32768, 32, (32, None)),    # 16/32: the plain pass fits one wave
 ])
-def test_segmented_fused_forward_only_where_it_pays(monkeypatch, T, HV, pays):
-    """The segmented fused forward (segment pass + merge + fused final pass over one-wave segments) is kept only
-    where its model beats the plain fused pass by segment_gain; the cases are the H200 kernel sums of the tuning
-    comment (8 / 16 value heads, V = 128, 132 SMs)."""
+def test_fused_forward_segments_by_the_cost_model(monkeypatch, T, HV, want):
+    """Where the planner segments, the fused forward takes the cheapest of the plain pass and the one-wave segmented
+    runs at V tile 32 / 64 (state._fused_segments); the cases are H200 kernel sums (tuning comment, 132 SMs)."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import state
     from gdn.kernels.chunk.plan import plan_segments, prepare_chunk_indices
@@ -309,12 +307,18 @@ def test_segmented_fused_forward_only_where_it_pays(monkeypatch, T, HV, pays):
     monkeypatch.setattr(state, "_num_sms", lambda dev: 132)
     dev = torch.device("cpu")
     ci = prepare_chunk_indices(None, T, 64, 1, device=dev)
-    bv, plan = state._one_wave_segments(ci, HV, 128, dev, plan_segments(ci, 8, dev))
-    assert bv == 32 and plan.segmented
-    assert state._segments_pay(ci, plan, tuning.chunk_fwd(dev)) is pays
-    # a merge priced at nothing and a free segment pass: segments always pay where the split is at least 2
-    with tuning.override("chunk_fwd", state_sm90_merge_cost=0.0, state_sm90_segment_pass_cost=0.0):
-        assert state._segments_pay(ci, plan, tuning.chunk_fwd(dev))
+    cfg = tuning.chunk_fwd(dev)
+    bv, plan = state._fused_segments(ci, HV, 128, 128, dev, plan_segments(ci, 8, dev), cfg, 32)
+    assert (bv, plan.seg_len if plan.segmented else None) == want
+    # no plain candidate (its grid would not fit one wave): the cheapest segmented run where a split fits
+    bv, plan = state._fused_segments(ci, HV, 128, 128, dev, plan_segments(ci, 8, dev), cfg, 0)
+    assert bv in (32, 64) and plan.segmented
+    # a free merge and segment pass: segments win wherever a split fits
+    with tuning.override("chunk_fwd", state_sm90_merge_cost=0.0, state_sm90_segment_pass_cost=0.0,
+                         state_sm90_segment_pass_cost2=0.0, state_sm90_wide_step_cost=1.0):
+        bv, plan = state._fused_segments(ci, HV, 128, 128, dev, plan_segments(ci, 8, dev), tuning.chunk_fwd(dev), 32)
+        assert plan.segmented
+
 
 @pytest.mark.parametrize("form", ["one sequence", "varlen one sequence", "batch"])
 @pytest.mark.parametrize("layout", ["v_last", "k_last"])

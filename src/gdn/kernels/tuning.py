@@ -67,13 +67,15 @@ class ChunkForward:
     # its grid fits one wave (state._one_wave_segments): no h / v_new in memory there either. H100 A/B in
     # bench/NOTES.md (kernel sums 1x8192 4/8 351 -> 206 us, 8/16 396 -> 341, 1x65536 2/8 1255 -> 1191)
     state_sm90_fused_segmented: bool = True
-    # ... and kept only where it beats the plain fused pass over whole sequences (when that grid fits one wave): the
-    # segmented run, L chunks per segment and S segments per sequence, is modelled as L (1 + segment pass step) +
-    # S merge step against the plain pass's longest sequence, in fused chunk steps; segmented only below
-    # segment_gain x plain. H200 kernel sums (gdn profile, segmented / plain): segment pass 2.07-2.2 us per chunk
-    # step, fused final pass 1.4-1.5, one merge step ~12.5 us; forward 1x8192 8/16 322 / 236 us, 1x32768 8/16
-    # 1137 / 917, 1x16384 4/8 343 / 411, 1x8192 4/8 197 / 210 (bench/NOTES.md, Kept table 2026-11-26)
+    # ... choosing by a cost model (state._fused_segments) between the plain fused pass over whole sequences (when its
+    # grid fits one wave) and the segmented run at V tile 32 or 64 (L chunks per segment, S segments per sequence:
+    # L (segment pass step + fused step) + S merge steps, in steps of the plain pass at V tile 32); segmented only
+    # below segment_gain x plain. H200 per chunk step (gdn profile): plain fused pass 1.37 us; segment pass 2.05 us
+    # alone on an SM, 2.45 at two per SM; fused pass at V tile 64 2.05-2.14; one merge step ~12 us (bench/NOTES.md,
+    # Kept table 2026-11-26)
     state_sm90_segment_pass_cost: float = 1.5
+    state_sm90_segment_pass_cost2: float = 1.75
+    state_sm90_wide_step_cost: float = 1.5
     state_sm90_merge_cost: float = 9.0
     # an inference forward (no pool, no checkpoints, one sequence or a batch of equal ones) of n >= 2 x
     # piece_token_heads token x value heads runs in min(piece_max, n / piece_token_heads) pieces one after the other

@@ -445,7 +445,23 @@ def _smem_layout(shape, dt_name):
 
 
 def _desc(x2d: torch.Tensor, block, dt_name):
-    return G.TensorDescriptor(x2d, list(x2d.shape), list(x2d.stride()), list(block), _smem_layout(tuple(block), dt_name))
+    """A TMA descriptor of the 2-D view x2d (16-byte aligned base and row pitch, last dim contiguous: the callers'
+    ``supported`` / ``_rows2d`` checks) with the NVMMA layout of ``block``. Built without the dataclass's
+    ``__init__`` / ``__post_init__``, which re-validate what those checks established (~3 us of host time each,
+    ~20 per training step); ``tests/kernels`` compares it field by field with the checked constructor."""
+    d = object.__new__(G.TensorDescriptor)
+    d.__dict__.update(_desc_defaults())
+    d.__dict__.update(base=x2d, shape=list(x2d.shape), strides=list(x2d.stride()), block_shape=list(block),
+                      layout=_smem_layout(tuple(block), dt_name))
+    return d
+
+
+@functools.lru_cache(maxsize=None)
+def _desc_defaults() -> dict:
+    """The descriptor dataclass's fields that have defaults (padding; round_f32_to_tf32 from Triton 3.9 on)."""
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(G.TensorDescriptor) if f.default is not dataclasses.MISSING}
 
 
 def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0_idx, ht_idx, segments,

@@ -291,40 +291,57 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg):
     forced = (segment_chunks if segment_chunks is not None else cfg.segment_chunks) or cfg.state_sm90_BV
     if plan.segmented and cfg.state_sm90_fused_segmented and not forced:
         # segmented plans (long sequences, few heads): segments re-planned so that the fused final pass fits one wave
-        # (with the planner's segments its grid took several: gdn bench 1x8192 8/16 0.63 -> 1.15 ms, H200)
-        bv, plan = _one_wave_segments(ci, HV, V, dev, plan)
-        plain_bv = sm90_tile(ci.N * HV)
-        if bv and plain_bv and not _segments_pay(ci, plan, cfg):
-            bv, plan = plain_bv, plan_segments(ci, None, dev)
+        # (with the planner's segments its grid took several: gdn bench 1x8192 8/16 0.63 -> 1.15 ms, H200), at the
+        # V tile the cost model prefers, or no segments where they do not pay
+        bv, plan = _fused_segments(ci, HV, K, V, dev, plan, cfg, sm90_tile(ci.N * HV))
     return (bv, plan) if bv and hopper.fused_supported(q, k, bv) else (0, None)
 
 
-def _segments_pay(ci: ChunkIndex, plan, cfg) -> bool:
-    """Whether the segmented fused forward (segment pass, merge, fused final pass over ``plan``'s one-wave segments)
-    is modelled faster than the plain fused pass over whole sequences (tuning ``state_sm90_segment_pass_cost``,
-    ``state_sm90_merge_cost``, ``segment_gain``; costs in fused chunk steps)."""
+def _fused_segments(ci: ChunkIndex, HV: int, K: int, V: int, dev, plan, cfg, plain_bv: int):
+    """(V tile, segment plan) of the fused forward where the planner segments: the cheapest of the plain fused pass
+    over whole sequences (V tile ``plain_bv``; 0: its grid does not fit one wave, not a candidate) and, at V tile 32
+    and 64, the segmented run whose final pass fits one wave (:func:`_one_wave_len`), by :func:`_segmented_cost`;
+    segments only below ``segment_gain`` x the plain pass. (0, plan) where there is no candidate."""
     longest = max(ci.nchunks)
-    L = max(1, plan.seg_len)
-    per_seq = -(-longest // L)
-    seg = min(L, longest) * (1.0 + float(cfg.state_sm90_segment_pass_cost)) + float(cfg.state_sm90_merge_cost) * per_seq
-    return seg < float(cfg.segment_gain) * longest
-
-
-def _one_wave_segments(ci: ChunkIndex, HV: int, V: int, dev, plan):
-    """(V tile, segment plan) for a fused final pass over segments whose grid (V / tile x HV x segments) fits one wave
-    of CTAs, one per SM: the shortest segments (power-of-two chunk counts, no shorter than the planner's) that fit,
-    i.e. the most SMs the split can use, at V tile 32, else 64; (0, plan) where neither splits a sequence in two."""
-    sms, longest = _num_sms(dev), max(ci.nchunks)
+    best = (float(cfg.segment_gain) * longest, plain_bv, plan_segments(ci, None, dev)) if plain_bv else None
     for bv in (32, 64):
-        if V % bv:
+        L = _one_wave_len(ci, HV, V, bv, dev, plan.seg_len)
+        if not L:
             continue
-        room = sms // (HV * (V // bv))
-        L = max(1, plan.seg_len)
-        while L < longest and segment_count(ci, L) > room:
-            L *= 2
-        if L < longest:
-            return bv, plan_segments(ci, L, dev)
-    return 0, plan
+        seg_plan = plan_segments(ci, L, dev)
+        cost = _segmented_cost(ci, seg_plan, HV, K, V, bv, dev, cfg)
+        if best is None or cost < best[0]:
+            best = (cost, bv, seg_plan)
+    return (best[1], best[2]) if best is not None else (0, plan)
+
+
+def _segmented_cost(ci: ChunkIndex, plan, HV: int, K: int, V: int, bv: int, dev, cfg) -> float:
+    """Modelled time of a segmented fused forward, in steps of the plain fused pass at V tile 32 (one CTA per SM):
+    per chunk of a segment one step of the portable segment pass (local states and transitions: ``(V + K) / tile``
+    programs per segment and head; ``state_sm90_segment_pass_cost`` alone on an SM, ``..._cost2`` two per SM, more in
+    proportion) and one of the fused final pass (``state_sm90_wide_step_cost`` at V tile 64), plus
+    ``state_sm90_merge_cost`` per segment of the longest sequence."""
+    longest, L = max(ci.nchunks), max(1, plan.seg_len)
+    bvp = _state_bv(K, V, dev)
+    per_sm = -(-plan.S * HV * (cdiv(V, bvp) + cdiv(K, bvp)) // _num_sms(dev))
+    seg_step = (float(cfg.state_sm90_segment_pass_cost) if per_sm <= 1
+                else float(cfg.state_sm90_segment_pass_cost2) * (-(-per_sm // 2)))
+    fused_step = 1.0 if bv == 32 else float(cfg.state_sm90_wide_step_cost)
+    return min(L, longest) * (seg_step + fused_step) + float(cfg.state_sm90_merge_cost) * (-(-longest // L))
+
+
+def _one_wave_len(ci: ChunkIndex, HV: int, V: int, bv: int, dev, min_len: int) -> int:
+    """Chunks per segment (a power-of-two multiple of ``min_len``, the planner's) of the shortest segments whose fused
+    final pass at V tile ``bv`` (grid V / bv x HV x segments) fits one wave of CTAs, one per SM; 0 where no such
+    split cuts a sequence in two (or bv does not divide V)."""
+    if V % bv:
+        return 0
+    sms, longest = _num_sms(dev), max(ci.nchunks)
+    room = sms // (HV * (V // bv))
+    L = max(1, min_len)
+    while L < longest and segment_count(ci, L) > room:
+        L *= 2
+    return L if L < longest else 0
 
 
 def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[torch.Tensor], g_cum: torch.Tensor,
