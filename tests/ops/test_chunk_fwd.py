@@ -315,7 +315,8 @@ def test_fused_forward_segments_by_the_cost_model(monkeypatch, T, HV, want):
     assert bv in (32, 64) and plan.segmented
     # a free merge and segment pass: segments win wherever a split fits
     with tuning.override("chunk_fwd", state_sm90_merge_cost=0.0, state_sm90_segment_pass_cost=0.0,
-                         state_sm90_segment_pass_cost2=0.0, state_sm90_wide_step_cost=1.0):
+                         state_sm90_segment_pass_cost2=0.0, state_sm90_wide_step_cost=1.0,
+                         state_sm90_segment_fixed_cost=0.0):
         bv, plan = state._fused_segments(ci, HV, 128, 128, dev, plan_segments(ci, 8, dev), tuning.chunk_fwd(dev), 32)
         assert plan.segmented
 

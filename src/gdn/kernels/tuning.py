@@ -71,12 +71,14 @@ class ChunkForward:
     # grid fits one wave) and the segmented run at V tile 32 or 64 (L chunks per segment, S segments per sequence:
     # L (segment pass step + fused step) + S merge steps, in steps of the plain pass at V tile 32); segmented only
     # below segment_gain x plain. H200 per chunk step (gdn profile): plain fused pass 1.37 us; segment pass 2.05 us
-    # alone on an SM, 2.45 at two per SM; fused pass at V tile 64 2.05-2.14; one merge step ~12 us (bench/NOTES.md,
-    # Kept table 2026-11-26)
+    # alone on an SM, 2.45 at two per SM; fused pass at V tile 64 2.05-2.14; one merge step 3.6 us (12 before the
+    # merge tiles below); segment_fixed_cost: the segmented run's two launches more (host time, ~80 us on the H200
+    # machines' CPUs) in the same units (bench/NOTES.md, Kept table 2026-11-26)
     state_sm90_segment_pass_cost: float = 1.5
     state_sm90_segment_pass_cost2: float = 1.75
     state_sm90_wide_step_cost: float = 1.5
-    state_sm90_merge_cost: float = 9.0
+    state_sm90_merge_cost: float = 3.0
+    state_sm90_segment_fixed_cost: float = 60.0
     # an inference forward (no pool, no checkpoints, one sequence or a batch of equal ones) of n >= 2 x
     # piece_token_heads token x value heads runs in min(piece_max, n / piece_token_heads) pieces one after the other
     # (forward._forward_in_pieces): one piece's intermediates (Ainv, P: as many bytes as o) in memory at a time. H100,
@@ -95,10 +97,12 @@ class ChunkForward:
     output_stages: int = 1
     output_maxnreg: int = 0
     output_heads: int = 0
-    # merge kernel of the segmented state pass
-    merge_BK: int = 64
-    merge_BV: int = 64
-    merge_warps: int = 4
+    # merge kernel of the segmented state pass: one program per (16-column V tile, value head, sequence) steps through
+    # the segments; H200, 1x65536 2/8 with 8 segments (gdn profile --forward, GDN_TUNE sweep): BV 64 / BK 64 / 4 warps
+    # 96.6 us, BV 32 50.7, BV 16 39.8, BV 32 / BK 128 / 8 warps 36.5, BV 16 / BK 128 / 8 warps 28.7
+    merge_BK: int = 128
+    merge_BV: int = 16
+    merge_warps: int = 8
     merge_precision: str = "tf32x3"
     # storage dtype of the per-chunk states h: "input" (bf16 for bf16 inputs) or "fp32"
     h_dtype: str = "input"
@@ -147,6 +151,9 @@ class ChunkBackward:
     # tl.dot input precision for fp32 operands, and of the segment merge
     fp32_dot: str = "ieee"
     merge_dot: str = "tf32x3"
+    # V columns per program of that merge (8 warps, the whole K x K transition per step); 64 before the forward merge's
+    # sweep showed narrower tiles with more programs per step faster (bench/NOTES.md, Kept table 2026-11-26)
+    merge_BV: int = 16
     # recompute the forward states on a side CUDA stream, concurrently with the reverse pass
     concurrent: bool = True
     # sm_90: the reverse pass as the Gluon kernel of gdn.kernels.chunk.backward.hopper (TMA ring of dh_sm90_stages

@@ -320,14 +320,16 @@ def _segmented_cost(ci: ChunkIndex, plan, HV: int, K: int, V: int, bv: int, dev,
     per chunk of a segment one step of the portable segment pass (local states and transitions: ``(V + K) / tile``
     programs per segment and head; ``state_sm90_segment_pass_cost`` alone on an SM, ``..._cost2`` two per SM, more in
     proportion) and one of the fused final pass (``state_sm90_wide_step_cost`` at V tile 64), plus
-    ``state_sm90_merge_cost`` per segment of the longest sequence."""
+    ``state_sm90_merge_cost`` per segment of the longest sequence and ``state_sm90_segment_fixed_cost`` (its two
+    launches more)."""
     longest, L = max(ci.nchunks), max(1, plan.seg_len)
     bvp = _state_bv(K, V, dev)
     per_sm = -(-plan.S * HV * (cdiv(V, bvp) + cdiv(K, bvp)) // _num_sms(dev))
     seg_step = (float(cfg.state_sm90_segment_pass_cost) if per_sm <= 1
                 else float(cfg.state_sm90_segment_pass_cost2) * (-(-per_sm // 2)))
     fused_step = 1.0 if bv == 32 else float(cfg.state_sm90_wide_step_cost)
-    return min(L, longest) * (seg_step + fused_step) + float(cfg.state_sm90_merge_cost) * (-(-longest // L))
+    return (min(L, longest) * (seg_step + fused_step) + float(cfg.state_sm90_merge_cost) * (-(-longest // L))
+            + float(cfg.state_sm90_segment_fixed_cost))
 
 
 def _one_wave_len(ci: ChunkIndex, HV: int, V: int, bv: int, dev, min_len: int) -> int:

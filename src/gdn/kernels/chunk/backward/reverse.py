@@ -258,7 +258,7 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     rev_pass(None, rloc, V, INIT=0, HAS_R=True, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True)
     rev_pass(None, trans, K, INIT=3, HAS_R=False, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True)
     # (3) sequential merge over segments (K x K times K x V per segment)
-    BVM = min(64, max(16, next_pow2(V)))
+    BVM = min(int(tuning.chunk_bwd(dev).merge_BV), max(16, next_pow2(V)))
     launch(chunk_bwd_dh_merge_kernel, (cdiv(V, BVM), HV, ci.N),
         dht, dh0, trans, rloc, xin, seg_offsets, HV=HV, K=K, V=V, BK=BK, BV=BVM, HAS_DHT=dht is not None,
         HAS_DH0=need_dh0, PREC="ieee" if acc_t == torch.float64 else tuning.chunk_bwd(dev).merge_dot,
