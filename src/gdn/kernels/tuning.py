@@ -157,13 +157,17 @@ class ChunkBackward:
     # recompute the forward states on a side CUDA stream, concurrently with the reverse pass
     concurrent: bool = True
     # sm_90: the reverse pass as the Gluon kernel of gdn.kernels.chunk.backward.hopper (TMA ring of dh_sm90_stages
-    # chunks, asynchronous wgmma) where it supports the launch and its grid fits one wave at V tile 32 or 64; an
-    # unsegmented plan then replaces the segmented one where the grid fills half the SMs or the longest sequence has
-    # at most dh_sm90_plain_chunks chunks (bench/NOTES.md, "Hopper reverse pass"); the side stream (concurrent) is
-    # not used then
+    # chunks, asynchronous wgmma) where it supports the launch and its grid fits one wave at V tile 32 or 64; where
+    # the heuristic would segment, a cost model (reverse._reverse_segments) picks the plain sm_90 pass or one-wave
+    # sm_90 segments, in steps of the plain pass at V tile 32 (H200: a step at V tile 64 1.52 us against 1.43; a merge
+    # step ~2.8 us; fixed: three launches more; bench/NOTES.md, "Hopper reverse pass" and Kept table 2026-11-26); the
+    # side stream (concurrent) is not used with the plain sm_90 pass
     dh_sm90: bool = True
     dh_sm90_stages: int = 2
-    dh_sm90_plain_chunks: int = 512
+    dh_sm90_wide_step_cost: float = 1.06
+    dh_sm90_merge_cost: float = 2.0
+    dh_sm90_segment_fixed_cost: float = 85.0
+    dh_sm90_segment_gain: float = 0.9
     # the unsegmented sm_90 pass computes dv_local itself (no dv_local kernel) where sequences x value heads >= this:
     # it adds ~0.2-0.6 us to each chunk step of the chain and saves a kernel whose time grows with the heads (H100:
     # a gain from 32 (16/32 1x32768 -2%, 64/64 -7%), a loss at 8 and 16; bench/NOTES.md, "Hopper reverse pass")

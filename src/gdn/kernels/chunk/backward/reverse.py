@@ -19,7 +19,8 @@ import triton.language as tl
 
 from ...common import cdiv, l2_rnorm, next_pow2
 from ... import tuning
-from ..plan import _num_sms, choose_reverse_segment_len, one_wave_tile, plan_segments, prepare_chunk_indices
+from ..plan import (_num_sms, choose_reverse_segment_len, one_wave_tile, plan_segments, prepare_chunk_indices,
+                    segment_count)
 from .common import _acc_dtype, _dot_precision, _mm_dtype, _strides
 from .dv_local import dv_local
 from . import hopper
@@ -273,11 +274,10 @@ def reverse_plan(q, k, do, w, state_dtype, ci, HV: int, K: int, V: int, dev, seg
     64) of the sm_90 pass for a launch of ``programs`` x (VC / tile) CTAs that fits one wave (one CTA per SM: as the
     forward's sm_90 state pass, a chunk step slows down when SMs are shared), or 0 (the portable kernel).
 
-    Segments: forced ones (``segment_chunks`` / ``chunk_bwd.segment_chunks`` > 0) as asked; otherwise none where the
-    sm_90 pass takes every sequence x head in one wave and either fills half the SMs or the longest sequence has at
-    most ``chunk_bwd.dh_sm90_plain_chunks`` chunks (H100, gdn bench fwd + bwd against the portable segmented pass:
-    1x32768 16/32 10.20 -> 9.35 ms, 1x8192 4/8 2.66 -> 1.85; but 1x65536 2/8, 32 CTAs over 1024 chunks, 5.65 ->
-    6.28); else :func:`choose_reverse_segment_len`."""
+    Segments: forced ones (``segment_chunks`` / ``chunk_bwd.segment_chunks`` > 0) as asked; where
+    :func:`choose_reverse_segment_len` would segment, the cheapest of the plain sm_90 pass and one-wave sm_90
+    segments by :func:`_reverse_segments` (H200: 1x65536 2/8 reverse pass 0.86 ms in 17 portable segments, 0.61 in 8
+    segments on the sm_90 pass; the plain sm_90 pass, 32 CTAs over 1024 chunks, 1.5 ms)."""
     cfg = tuning.chunk_bwd(dev)
     seg = choose_reverse_segment_len(ci, HV, cdiv(V, _dh_config(V, dev)[0]), dev, segment_chunks)
     if not cfg.dh_sm90 or dev.type != "cuda" or not ci.nchunks or not hopper.supported(q, k, do, w, state_dtype, K, V):
@@ -288,10 +288,37 @@ def reverse_plan(q, k, do, w, state_dtype, ci, HV: int, K: int, V: int, dev, seg
 
     forced = segment_chunks if segment_chunks is not None else cfg.segment_chunks
     if seg is not None and not forced:
-        bv = tile(ci.N * HV, V)
-        if bv and (2 * ci.N * HV * (V // bv) >= _num_sms(dev) or max(ci.nchunks) <= int(cfg.dh_sm90_plain_chunks)):
-            seg = None
+        seg = _reverse_segments(ci, HV, K, V, dev, cfg, tile(ci.N * HV, V), seg)
     return seg, tile
+
+
+def _reverse_segments(ci, HV: int, K: int, V: int, dev, cfg, plain_bv: int, portable_seg: int) -> Optional[int]:
+    """Chunks per segment of the reverse pass (None: unsegmented) where the heuristic would segment and the sm_90
+    pass is available. Candidates, in steps of the plain sm_90 pass at V tile 32: the plain pass (when its grid fits
+    one wave, ``plain_bv``), the longest sequence's chunks; and at V tile 32 / 64 the shortest power-of-two
+    segments whose three sm_90 passes (local gradients, transitions, the final pass) fit one wave, 3 L steps
+    (``dh_sm90_wide_step_cost`` each at tile 64) + ``dh_sm90_merge_cost`` per segment + ``dh_sm90_segment_fixed_cost``
+    (three launches more). Segments where they cost below ``dh_sm90_segment_gain`` x the plain pass; without a plain
+    candidate the cheapest one-wave segments, else the heuristic's (portable) ones."""
+    longest, sms = max(ci.nchunks), _num_sms(dev)
+    best = None
+    for bv in (32, 64):
+        if V % bv or K % bv:
+            continue
+        room = sms // (HV * (max(V, K) // bv))
+        L = 8
+        while L < longest and segment_count(ci, L) > room:
+            L *= 2
+        if L >= longest:
+            continue
+        step = 1.0 if bv == 32 else float(cfg.dh_sm90_wide_step_cost)
+        cost = 3 * L * step + float(cfg.dh_sm90_merge_cost) * (-(-longest // L)) + float(cfg.dh_sm90_segment_fixed_cost)
+        if best is None or cost < best[0]:
+            best = (cost, L)
+    if not plain_bv:
+        return best[1] if best is not None else portable_seg
+    plain = longest * (1.0 if plain_bv == 32 else float(cfg.dh_sm90_wide_step_cost))
+    return best[1] if best is not None and best[0] < float(cfg.dh_sm90_segment_gain) * plain else None
 
 
 def _no_tile(programs: int, VC: int) -> int:
