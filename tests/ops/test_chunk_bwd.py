@@ -409,8 +409,8 @@ def test_reverse_pass_plan_sm90(monkeypatch):
     assert plan(1, 32768, 16) == (None, 32, True)          # 4 segments at tile 64: 500 steps against 461
     # few heads over long sequences: 8 segments, three sm_90 passes of 8 x 8 x 2 = 128 CTAs at V tile 64 (H200 2/8
     # reverse pass 0.61 ms against 0.86 in portable segments and 1.5 plain)
-    assert plan(1, 65536, 8) == (128, 64, False)
-    assert plan(1, 32768, 8) == (64, 64, False)
+    assert plan(1, 65536, 8) == (128, 64, True)
+    assert plan(1, 32768, 8) == (64, 64, True)
     assert plan(4, 4096, 32) == (None, 0, False)           # 512 / 256 CTAs: portable, unsegmented
     assert plan(1, 8192, 32, segment_chunks=8)[0] == 8 and not plan(1, 8192, 32, segment_chunks=8)[2]
     with tuning.override("chunk_bwd", dh_sm90=False):
@@ -484,3 +484,33 @@ def test_dv_local_in_reverse_sm90(monkeypatch, HV, local):
     reverse.chunk_bwd_dh(q, q, w, g_cum, do, None, 0.1, None, 64, True, False, chunk_index=ci, plan=rplan)
     assert len(passes) == 1 and passes[0]["local"] is local and passes[0]["HAS_R"]
     assert len(dvl) == (0 if local else 1)
+
+
+def test_segmented_sm90_reverse_reads_dv_local_from_its_kernel(monkeypatch):
+    """A segmented plan whose passes run on the sm_90 kernel (one-wave segments) never asks the Gluon pass for
+    dv_local, even with sequences x value heads >= ``chunk_bwd.dh_sm90_local_min_heads``: the dv_local kernel runs
+    first and the three passes (local, transitions, final) read it."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import plan as plan_mod
+    from gdn.kernels.chunk.backward import reverse
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    monkeypatch.setitem(tuning._CAPS, 0, "sm_90")
+    monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
+    monkeypatch.setattr(reverse.hopper, "supported", lambda *a: True)
+    passes, dvl, merges = [], [], []
+    monkeypatch.setattr(reverse.hopper, "launch_dh_pass", lambda *a, **kw: passes.append(kw))
+    monkeypatch.setattr(reverse, "dv_local", lambda *a, **kw: dvl.append(a))
+    monkeypatch.setattr(reverse, "launch", lambda kernel, grid, *a, **kw: merges.append(kernel))
+    N, L, H, HV, K = 3, 1024, 2, 8, 128                  # 3 x 8 = 24 sequences x value heads, 16 chunks each
+    ci = prepare_chunk_indices(None, L, 64, N, device=torch.device("cpu"))
+    assert N * HV >= int(tuning.chunk_bwd(torch.device("cpu")).dh_sm90_local_min_heads)
+    plan = (8, lambda programs, VC: 64)                  # 6 segments of 8 chunks, every pass on the sm_90 kernel
+    assert reverse.runs_sm90(plan, ci, HV, K)
+    q = torch.randn(N, L, H, K).bfloat16()
+    w = torch.randn(N, L, HV, K).bfloat16()
+    do = torch.randn(N, L, HV, K).bfloat16()
+    g_cum = torch.randn(N, L, HV)
+    reverse.chunk_bwd_dh(q, q, w, g_cum, do, None, 0.1, None, 64, True, False, chunk_index=ci, plan=plan)
+    assert len(dvl) == 1 and len(passes) == 3 and not any(p["local"] for p in passes)
+    assert merges == [reverse.chunk_bwd_dh_merge_kernel]

@@ -64,7 +64,7 @@ class ChunkForward:
     # them as the state pass would (h in the tensor-core dtype; an fp32 h keeps the state pass + output kernel)
     state_sm90_fused_states: bool = True
     # ... also as the final pass of segmented plans (few heads over long sequences), with segments re-planned so that
-    # its grid fits one wave (state._one_wave_segments): no h / v_new in memory there either. H100 A/B in
+    # its grid fits one wave (state._one_wave_len): no h / v_new in memory there either. H100 A/B in
     # bench/NOTES.md (kernel sums 1x8192 4/8 351 -> 206 us, 8/16 396 -> 341, 1x65536 2/8 1255 -> 1191)
     state_sm90_fused_segmented: bool = True
     # ... choosing by a cost model (state._fused_segments) between the plain fused pass over whole sequences (when its

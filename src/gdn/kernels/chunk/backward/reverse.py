@@ -226,7 +226,7 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     # the unsegmented sm_90 pass computes dv_local itself where there are enough sequences x heads
     # (chunk_bwd.dh_sm90_local_min_heads); otherwise its own kernel writes it into dvn first
     cfg = tuning.chunk_bwd(dev)
-    local = runs_sm90(plan, ci, HV, V) and ci.N * HV >= int(cfg.dh_sm90_local_min_heads)
+    local = seg is None and runs_sm90(plan, ci, HV, V) and ci.N * HV >= int(cfg.dh_sm90_local_min_heads)
     if not local:
         dv_local(q, k, g_cum, do, rq, rk, dvn, ci, cu_seqlens, args[1], T, args[3:], meta)
     segs = plan_segments(ci, seg, dev)
@@ -326,10 +326,10 @@ def _no_tile(programs: int, VC: int) -> int:
 
 
 def runs_sm90(plan, ci, HV: int, V: int) -> bool:
-    """Whether a :func:`reverse_plan` runs the reverse pass unsegmented on the sm_90 kernel (the backward then skips
-    its side stream: two one-CTA-per-SM kernels cannot share the SMs)."""
+    """Whether a :func:`reverse_plan` runs the reverse pass on the sm_90 kernel, unsegmented or in one-wave segments
+    (the backward then skips its side stream: two one-CTA-per-SM kernels cannot share the SMs)."""
     seg, tile = plan
-    return seg is None and bool(tile(ci.N * HV, V))
+    return bool(tile((ci.N if seg is None else segment_count(ci, seg)) * HV, V))
 
 
 __all__ = ["chunk_bwd_dh", "reverse_plan", "runs_sm90"]
