@@ -345,8 +345,8 @@ def compile_hopper_fused_pass(BV=32, NS=2, dtype=None, **flags):
                 P0=3, P1=3, PO=3,
                 s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3, s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
     cx = dict(H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
-              STORE_H=False, STORE_VNEW=False, STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True, NS=NS, OUT_REGS=m.OUTPUT_PARTITION_REGS,
-              num_warps=4)
+              STORE_H=False, STORE_VNEW=False, STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True,
+              NS=NS, OUT_REGS=m.OUTPUT_PARTITION_REGS, num_warps=4)
     cx.update(flags)
     return compile_gluon(m._chunk_fused_sm90_kernel, args, cx)
 

@@ -453,35 +453,44 @@ def test_parts_dispatch_sm90(monkeypatch, HV):
     assert dq.shape == (B, T, H, K) and dk.dtype == x.k.dtype and dv.shape == x.v.shape
 
 
+def _recorded_reverse_pass(monkeypatch, N, L, H, HV, K, plan=None):
+    """chunk_bwd_dh over N sequences of L tokens on an emulated sm_90 device (132 SMs, Gluon support faked) with its
+    launches recorded instead of run. ``plan``: a (segment length, tile function) pair, default ``reverse_plan``'s.
+    Returns (plan, sm_90 pass keywords per launch, dv_local kernel calls, other kernels launched)."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import plan as plan_mod
+    from gdn.kernels.chunk.backward import reverse
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    monkeypatch.setitem(tuning._CAPS, 0, "sm_90")
+    monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
+    monkeypatch.setattr(reverse, "_num_sms", lambda d: 132)
+    monkeypatch.setattr(reverse.hopper, "supported", lambda *a: True)
+    passes, dvl, others = [], [], []
+    monkeypatch.setattr(reverse.hopper, "launch_dh_pass", lambda *a, **kw: passes.append(kw))
+    monkeypatch.setattr(reverse, "dv_local", lambda *a, **kw: dvl.append(a))
+    monkeypatch.setattr(reverse, "launch", lambda kernel, grid, *a, **kw: others.append(kernel))
+    ci = prepare_chunk_indices(None, L, 64, N, device=torch.device("cpu"))
+    if plan is None:
+        x = torch.empty(1, 1, 1, K, dtype=torch.bfloat16)
+        plan = reverse.reverse_plan(x, x, x, x, torch.bfloat16, ci, HV, K, K, torch.device("cuda", 0))
+    assert reverse.runs_sm90(plan, ci, HV, K)
+    q = torch.randn(N, L, H, K).bfloat16()
+    w = torch.randn(N, L, HV, K).bfloat16()
+    do = torch.randn(N, L, HV, K).bfloat16()
+    g_cum = torch.randn(N, L, HV)
+    reverse.chunk_bwd_dh(q, q, w, g_cum, do, None, 0.1, None, 64, True, False, chunk_index=ci, plan=plan)
+    return plan, passes, dvl, others
+
+
 @pytest.mark.parametrize("HV, local", [(32, True), (8, False)])
 def test_dv_local_in_reverse_sm90(monkeypatch, HV, local):
     """chunk_bwd_dh where the unsegmented sm_90 reverse pass runs (support and device emulated, launches recorded):
     with sequences x value heads >= ``chunk_bwd.dh_sm90_local_min_heads`` the Gluon pass computes dv_local itself
     (``local=True``) and the dv_local kernel is not launched; with fewer heads that kernel runs first and the pass
     reads its result."""
-    from gdn.kernels import tuning
-    from gdn.kernels.chunk import plan as plan_mod
-    from gdn.kernels.chunk.backward import reverse
-    from gdn.kernels.chunk.plan import prepare_chunk_indices
-
-    dev = torch.device("cuda", 0)
-    monkeypatch.setitem(tuning._CAPS, 0, "sm_90")
-    monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
-    monkeypatch.setattr(reverse, "_num_sms", lambda d: 132)
-    monkeypatch.setattr(reverse.hopper, "supported", lambda *a: True)
-    passes, dvl = [], []
-    monkeypatch.setattr(reverse.hopper, "launch_dh_pass", lambda *a, **kw: passes.append(kw))
-    monkeypatch.setattr(reverse, "dv_local", lambda *a, **kw: dvl.append(a))
-    B, T, H, K = 1, 8192, 4, 128
-    x = torch.empty(1, 1, 1, K, dtype=torch.bfloat16)
-    ci = prepare_chunk_indices(None, T, 64, B, device=torch.device("cpu"))
-    rplan = reverse.reverse_plan(x, x, x, x, torch.bfloat16, ci, HV, K, K, dev)
-    assert reverse.runs_sm90(rplan, ci, HV, K)
-    q = torch.randn(B, T, H, K).bfloat16()
-    w = torch.randn(B, T, HV, K).bfloat16()
-    do = torch.randn(B, T, HV, K).bfloat16()
-    g_cum = torch.randn(B, T, HV)
-    reverse.chunk_bwd_dh(q, q, w, g_cum, do, None, 0.1, None, 64, True, False, chunk_index=ci, plan=rplan)
+    plan, passes, dvl, _ = _recorded_reverse_pass(monkeypatch, 1, 8192, 4, HV, 128)
+    assert plan[0] is None
     assert len(passes) == 1 and passes[0]["local"] is local and passes[0]["HAS_R"]
     assert len(dvl) == (0 if local else 1)
 
@@ -491,26 +500,11 @@ def test_segmented_sm90_reverse_reads_dv_local_from_its_kernel(monkeypatch):
     dv_local, even with sequences x value heads >= ``chunk_bwd.dh_sm90_local_min_heads``: the dv_local kernel runs
     first and the three passes (local, transitions, final) read it."""
     from gdn.kernels import tuning
-    from gdn.kernels.chunk import plan as plan_mod
     from gdn.kernels.chunk.backward import reverse
-    from gdn.kernels.chunk.plan import prepare_chunk_indices
 
-    monkeypatch.setitem(tuning._CAPS, 0, "sm_90")
-    monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
-    monkeypatch.setattr(reverse.hopper, "supported", lambda *a: True)
-    passes, dvl, merges = [], [], []
-    monkeypatch.setattr(reverse.hopper, "launch_dh_pass", lambda *a, **kw: passes.append(kw))
-    monkeypatch.setattr(reverse, "dv_local", lambda *a, **kw: dvl.append(a))
-    monkeypatch.setattr(reverse, "launch", lambda kernel, grid, *a, **kw: merges.append(kernel))
     N, L, H, HV, K = 3, 1024, 2, 8, 128                  # 3 x 8 = 24 sequences x value heads, 16 chunks each
-    ci = prepare_chunk_indices(None, L, 64, N, device=torch.device("cpu"))
     assert N * HV >= int(tuning.chunk_bwd(torch.device("cpu")).dh_sm90_local_min_heads)
-    plan = (8, lambda programs, VC: 64)                  # 6 segments of 8 chunks, every pass on the sm_90 kernel
-    assert reverse.runs_sm90(plan, ci, HV, K)
-    q = torch.randn(N, L, H, K).bfloat16()
-    w = torch.randn(N, L, HV, K).bfloat16()
-    do = torch.randn(N, L, HV, K).bfloat16()
-    g_cum = torch.randn(N, L, HV)
-    reverse.chunk_bwd_dh(q, q, w, g_cum, do, None, 0.1, None, 64, True, False, chunk_index=ci, plan=plan)
+    # 6 segments of 8 chunks, every pass on the sm_90 kernel
+    _, passes, dvl, others = _recorded_reverse_pass(monkeypatch, N, L, H, HV, K, plan=(8, lambda programs, VC: 64))
     assert len(dvl) == 1 and len(passes) == 3 and not any(p["local"] for p in passes)
-    assert merges == [reverse.chunk_bwd_dh_merge_kernel]
+    assert others == [reverse.chunk_bwd_dh_merge_kernel]

@@ -276,8 +276,8 @@ def chunk_backward_target_shapes(device):
     scale = 128 ** -0.5
     # the last field: launches of the sm_90 reverse pass (one unsegmented where its grid fits one wave; three, one
     # per pass of 8 one-wave segments, for few heads over a long sequence; none past one wave: reverse.reverse_plan)
-    for N, L, H, HV, sm90 in ((1, 8192, 16, 32, 1), (1, 32768, 16, 32, 1), (4, 4096, 16, 32, 0),
-                              (1, 65536, 2, 8, 3), (1, 32768, 64, 64, 1)):
+    for N, L, H, HV, launches9 in ((1, 8192, 16, 32, 1), (1, 32768, 16, 32, 1), (4, 4096, 16, 32, 0),
+                                   (1, 65536, 2, 8, 3), (1, 32768, 64, 64, 1)):
         T = N * L
         # gates near 1 (g in [-0.02, -0.001]): gradients carried over hundreds of chunks, so the unsegmented sm_90
         # pass and the segmented portable one differ by rounding, not by nothing
@@ -290,7 +290,7 @@ def chunk_backward_target_shapes(device):
             with override("chunk_bwd", dh_sm90=on), _counting_sm90_launches() as calls:
                 res.append(chunk_gated_delta_rule_bwd(x.q, x.k, x.v, x.g, x.beta, scale, None, cu, 64, True, do,
                                                       None)[:5])
-            want = sm90 if on else 0
+            want = launches9 if on else 0
             out.append(Result("chunk_backward", f"target {tag}: sm90 reverse pass launches {calls[0]} (want {want})",
                               0.0 if calls[0] == want else float("inf"), 0.0))
         out += [Result("chunk_backward", f"target {tag} {n} vs portable reverse", rel_err(a, b), 1e-2)
