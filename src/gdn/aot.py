@@ -413,9 +413,10 @@ def compile_hopper_prepare(K=128, dtype=None, maxnreg=None, **flags):
     f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
     row = m._desc(m._rows2d(x), (64, K), m._GL_DT[dt])
     args = dict(k_desc=row, q_desc=row, g=f32, beta=torch.empty(4, dtype=dt), gcum=f32, ainv=torch.empty(4, dtype=dt),
-                rk_out=f32, p_out=torch.empty(4, dtype=dt), qf_out=f32, chunk_indices=i32, cu_seqlens=i32, T=T,
+                rk_out=f32, rq_out=f32, p_out=torch.empty(4, dtype=dt), qf_out=f32, chunk_indices=i32,
+                cu_seqlens=i32, T=T,
                 scale=0.5, s_gb=T * HV, s_gt=HV, s_gh=1, s_bb=T * HV, s_bt=HV, s_bh=1)
-    cx = dict(H=H, HV=HV, K=K, USE_L2=True, IS_VARLEN=True, STORE_RK=True, STORE_P=True, num_warps=4)
+    cx = dict(H=H, HV=HV, K=K, USE_L2=True, IS_VARLEN=True, STORE_RK=True, STORE_P=True, STORE_RQ=True, num_warps=4)
     cx.update(flags)
     return compile_gluon(mp._chunk_prepare_sm90_kernel, args, cx, options={"maxnreg": maxnreg} if maxnreg else None)
 

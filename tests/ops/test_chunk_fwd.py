@@ -475,9 +475,14 @@ def test_prepare_output_matrix(l2):
     H, HV, K, V = 1, 2, 32, 16
     x = make_inputs(1, T, H, HV, K, V, normalize_qk=not l2)
     scale = K ** -0.5
+    rq = torch.full((1, T, H), float("nan"))    # poisoned: every row written with the L2 norm, none without
     g_cum, ainv, _, _, p, qf = cf.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, l2, store_wu=False, q=x.q,
-                                                    scale=scale)
+                                                    scale=scale, rq=rq)
     assert p.shape == (1, T, HV, 64) and qf.shape == (1, T, HV)
+    if l2:   # q's L2 row scalings, as l2_rnorm computes them (the backward reads these instead)
+        assert rel_err(rq, 1.0 / (x.q.double().pow(2).sum(-1) + 1e-6).sqrt()) < 1e-6
+    else:
+        assert torch.isnan(rq).all()
     ref = chunk_intra_ref(x.q, x.k, x.g, x.beta, scale, cu, l2)    # float64 P and qf
     starts = [0, 64, C + 1, 2 * C, 2 * C + 64]
     ends = [64, C + 1, 2 * C, 2 * C + 64, T]

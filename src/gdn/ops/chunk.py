@@ -177,7 +177,7 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
                                                 store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu, return_states=keep)
         keep = keep and aux["h"] is not None
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, aux["g_cum"], aux["ainv"],
-                              aux["rk"], aux["h"] if keep else None, aux["v_new"] if keep else None)
+                              aux["rk"], aux["rq"], aux["h"] if keep else None, aux["v_new"] if keep else None)
         ctx.scale = scale
         ctx.chunk_size = chunk_size
         ctx.chunk_index = aux["chunk_index"]
@@ -192,12 +192,12 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         except ImportError as e:  # pragma: no cover - until the backward kernels land
             raise NotImplementedError("chunk_gated_delta_rule backward kernels (gdn.kernels.chunk.backward) are not "
                                       "available") from e
-        q, k, v, g, beta, h0, cu_seqlens, g_cum, ainv, rk, h, v_new = ctx.saved_tensors
+        q, k, v, g, beta, h0, cu_seqlens, g_cum, ainv, rk, rq, h, v_new = ctx.saved_tensors
         if do is None:
             do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, cu_seqlens,
                                                                 ctx.chunk_size, ctx.l2, do, dht, g_cum=g_cum,
-                                                                ainv=ainv, rk=rk, h=h, v_new=v_new,
+                                                                ainv=ainv, rk=rk, rq=rq, h=h, v_new=v_new,
                                                                 chunk_index=ctx.chunk_index)
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None
 

@@ -39,8 +39,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     ``initial_state``/``final_state``/``state_indices``/``final_indices``/``checkpoint_indices``/``checkpoint_every``
     as in :func:`chunk_state_pass`; aux holds the intermediates
     (g_cum, Ainv when ``store_ainv`` (tensor-core dtype, fp32 with the tuning field ``chunk_fwd.ainv_dtype`` = "fp32"), h, v_new,
-    chunk_index, rk (the L2 row scalings of k, fp32 [B, T, H], None without the L2 norm; q's are computed inside the
-    output kernel and again by the backward)).
+    chunk_index, rk (the L2 row scalings of k, fp32 [B, T, H], None without the L2 norm), rq (q's, where the prepare
+    kernel computes P for the fused Hopper kernel, else None: the output kernel computes them itself and the
+    backward again)).
     ``cu_seqlens_cpu``: host copy of cu_seqlens (nothing read back from the device; :func:`prepare_chunk_indices`).
     ``return_states=False``: the caller needs no h / v_new; on Hopper the state pass then computes the output itself
     (one kernel fewer, no h / v_new in memory) and aux["h"] / aux["v_new"] are None; such a call over more token x
@@ -70,9 +71,12 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
             return _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, l2, state_layout,
                                       pieces, ci, out)
     rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
+    # q's L2 row scalings come out of the prepare kernel where it computes P (the fused kernel): the backward reads
+    # them instead of launching l2_rnorm(q)
+    rq = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and bv_fused) else None
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
-                             ainv_dtype=a_dtype, rk=rk, q=q if bv_fused else None, scale=scale)
+                             ainv_dtype=a_dtype, rk=rk, q=q if bv_fused else None, scale=scale, rq=rq)
     g_cum, ainv, w, u = prep[:4]
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     fuse = None
@@ -88,7 +92,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                     rk=rk, final_indices=final_indices, checkpoint_indices=checkpoint_indices,
                                     checkpoint_every=checkpoint_every, output=fuse)
     if fuse is not None:
-        return fuse["o"], ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk)
+        return fuse["o"], ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk, rq=rq)
     if not store_ainv:
         # Ainv (or W / U) is dead once the state pass has read it: freed before the output kernel allocates o, so
         # the call's peak is o + h + v_new, not o + h + v_new + Ainv (stream order keeps the state pass's reads
@@ -98,7 +102,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                      out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rk=rk)
     if out is not None:
         o = out.copy_(o)
-    return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk)
+    return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk, rq=None)
 
 
 def _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, l2, layout, pieces, ci, out):
@@ -126,7 +130,7 @@ def _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_stat
         for b0 in range(0, B, rows):
             sl = slice(b0, b0 + rows)
             run(sl, None if initial_state is None else initial_state[sl], None if ht is None else ht[sl], False)
-        return o, ht, dict(g_cum=None, ainv=None, h=None, v_new=None, chunk_index=ci, rk=None)
+        return o, ht, dict(g_cum=None, ainv=None, h=None, v_new=None, chunk_index=ci, rk=None, rq=None)
     span = -(-ci.NT // pieces) * CHUNK_SIZE
     carry = _empty(1, *sshape, device=q.device, dtype=torch.float32)
     h0 = initial_state
@@ -135,7 +139,7 @@ def _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_stat
         last = t0 + span >= T
         ht = run(sl, h0, None if last else carry, last and output_final_state)
         h0 = carry
-    return o, ht, dict(g_cum=None, ainv=None, h=None, v_new=None, chunk_index=ci, rk=None)
+    return o, ht, dict(g_cum=None, ainv=None, h=None, v_new=None, chunk_index=ci, rk=None, rq=None)
 
 
 __all__ = ["chunk_gated_delta_rule_fwd"]

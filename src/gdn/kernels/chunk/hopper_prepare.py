@@ -119,15 +119,15 @@ if G.AVAILABLE:
 
     @gluon.jit
     def _chunk_prepare_sm90_kernel(
-        k_desc, q_desc, g, beta, gcum, ainv, rk_out, p_out, qf_out, chunk_indices, cu_seqlens, T, scale,
+        k_desc, q_desc, g, beta, gcum, ainv, rk_out, rq_out, p_out, qf_out, chunk_indices, cu_seqlens, T, scale,
         s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
-        STORE_RK: gl.constexpr, STORE_P: gl.constexpr, num_warps: gl.constexpr,
+        STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
-        [B*T, HV] fp32, Ainv and P [B*T, HV, 64] (k's dtype), r_k [B*T, H] fp32 (by the key head's first value
-        head)."""
+        [B*T, HV] fp32, Ainv and P [B*T, HV, 64] (k's dtype), r_k and (STORE_RQ, with P and the L2 norm) r_q
+        [B*T, H] fp32 (by the key head's first value head)."""
         C: gl.constexpr = 64
         pid = gl.program_id(0)
         i_t = pid // HV
@@ -198,7 +198,10 @@ if G.AVAILABLE:
         row_off = (tok_r * HV + i_hv) * C
         if STORE_P:
             if USE_L2:
-                rq = gl.rsqrt(gl.sum(gl.where(diag, qq, 0.0), axis=1) + 1e-6) * scale
+                rq = gl.rsqrt(gl.sum(gl.where(diag, qq, 0.0), axis=1) + 1e-6)
+                if STORE_RQ:
+                    gl.store(rq_out + tok_r * H + i_h, rq, mask=m_r & (i_hv % (HV // H) == 0))
+                rq = rq * scale
             else:
                 rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
             qk = warpgroup_mma_wait(0, deps=[qk])
@@ -232,18 +235,21 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
 
 
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
-                   H, HV, K, use_l2, is_varlen, maxnreg=None):
+                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
-    P / qf; ``rk`` None: r_k not stored. Unused tensors may be None."""
+    P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (r_q only with q and the L2 norm). Unused tensors may be
+    None."""
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn) if q is not None else k_desc
     launch(_chunk_prepare_sm90_kernel, (NT * HV,),
-        k_desc, q_desc, g, beta, g_cum, ainv, rk if rk is not None else g_cum, p if p is not None else ainv,
+        k_desc, q_desc, g, beta, g_cum, ainv, rk if rk is not None else g_cum, rq if rq is not None else g_cum,
+        p if p is not None else ainv,
         qf if qf is not None else g_cum, chunk_indices, cu_seqlens if cu_seqlens is not None else chunk_indices,
         T, float(scale), *s_g, *s_beta,
         H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
-        STORE_P=q is not None, num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
+        STORE_P=q is not None, STORE_RQ=rq is not None and q is not None and use_l2, num_warps=4,
+        **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
 __all__ = ["supported", "launch_prepare"]

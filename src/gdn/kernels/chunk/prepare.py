@@ -77,19 +77,22 @@ def _unit_lower_inverse64(A, PREC: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T"])
 def _chunk_prepare_kernel(
-    k, v, g, beta, gcum, ainv, w, u, rk_out, q, p_out, qf_out, chunk_indices, cu_seqlens, T, scale,
+    k, v, g, beta, gcum, ainv, w, u, rk_out, rq_out, q, p_out, qf_out, chunk_indices, cu_seqlens, T, scale,
     s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, G_IS_CUM: tl.constexpr, STORE_G: tl.constexpr,
     STORE_A: tl.constexpr, LOAD_A: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
     STORE_RK: tl.constexpr, STORE_P: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    STORE_RQ: tl.constexpr = False,
 ):
     """One program per (chunk, value head): g_cum (chunk-local cumsum), A = strictLower(diag(beta r_k) (Gamma * K K^T)
     diag(r_k)) with r_k the L2 row scalings, Ainv = (I + A)^-1 (stored as [64, 64] rows of the [B, T, HV, 64] buffer),
     W = Ainv diag(beta exp(g) r_k) K, U = Ainv diag(beta) V; r_k stored per key head ([B, T, H] fp32) when asked.
     LOAD_A: Ainv is read instead of computed (recompute of W / U). STORE_P: the output's intra-chunk matrix
     P = causal(scale (r_q r_k^T) * Gamma * Q K^T) (i >= j; [B, T, HV, 64] like Ainv, rounded as the output kernel
-    rounds it) and the row factors of its inter-chunk part, qf = scale r_q exp(g_cum) ([B, T, HV] fp32)."""
+    rounds it) and the row factors of its inter-chunk part, qf = scale r_q exp(g_cum) ([B, T, HV] fp32); with
+    STORE_RQ (and the L2 norm) also r_q per key head ([B, T, H] fp32, as r_k), which the backward then reads instead
+    of computing it again."""
     # one flat grid, value heads fastest: the HV // H programs sharing a key head's k (and q) tiles run side by side
     # and read them once from memory (grid order (NT, HV) was 4-5% slower on the H200)
     pid = tl.program_id(0)
@@ -156,7 +159,10 @@ def _chunk_prepare_kernel(
         gamma = tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0))
         if STORE_P:
             if USE_L2:
-                rq = tl.rsqrt(ss_q + 1e-6) * scale
+                rq = tl.rsqrt(ss_q + 1e-6)
+                if STORE_RQ:
+                    tl.store(rq_out + (tok0 + rows) * H + i_h, rq, mask=tl.where(i_hv % (HV // H) == 0, m, False))
+                rq = rq * scale
             else:
                 rq = tl.full([64], 1.0, tl.float32) * scale
             att = tl.where(causal, acc_q * rq[:, None] * rk[None, :] * gamma, 0.0)
@@ -206,7 +212,8 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
                       use_qk_l2norm_in_kernel: bool = False, *, store_ainv: bool = True, store_wu: bool = True,
                       g_is_cumsum: bool = False, out_dtype: Optional[torch.dtype] = None,
                       chunk_index: Optional[ChunkIndex] = None, ainv_dtype: torch.dtype = torch.float32,
-                      rk: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None, scale: float = 1.0):
+                      rk: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None, scale: float = 1.0,
+                      rq: Optional[torch.Tensor] = None):
     """Fused cumsum + K K^T + triangular solve + W/U.
 
     k [B, T, H, K], v [B, T, HV, V] (strided, last dim contiguous), g, beta [B, T, HV] (any float dtype; g log-space,
@@ -216,7 +223,8 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     i.e. bf16 for bf16 inputs). Ainv row t holds row (t - chunk start) of its chunk's (I + A)^-1 (no beta factor).
     ``rk``: optional fp32 [B, T, H] buffer that receives the L2 row scalings 1 / |k_t| (with the L2 norm on).
     ``q`` [B, T, H, K] (strided) with ``scale``: also the output's intra-chunk matrix P [B, T, HV, 64] (tensor-core
-    dtype) and row factors qf [B, T, HV] fp32 (kernel docstring), returned as a 5th and 6th value.
+    dtype) and row factors qf [B, T, HV] fp32 (kernel docstring), returned as a 5th and 6th value; ``rq``: with
+    ``q`` and the L2 norm, an fp32 [B, T, H] buffer that receives q's L2 row scalings too (as ``rk`` k's).
     On sm_90 the forward's launches (Ainv in k's 16-bit dtype, no W / U) run as the Gluon kernel of
     :mod:`.hopper_prepare` (``chunk_fwd.prepare_sm90``).
     """
@@ -241,6 +249,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
         return (g_cum, ainv, w, u) + extra
     dummy = g_cum
     store_rk = rk is not None and bool(use_qk_l2norm_in_kernel)
+    store_rq = rq is not None and q is not None and bool(use_qk_l2norm_in_kernel)
     solve_prec = _solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype)
     if cfg.prepare_sm90 and store_ainv and not store_wu and not g_is_cumsum \
             and hopper_prepare.supported(k, q, K, ainv_dtype, solve_prec):
@@ -248,20 +257,22 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
             k, q, g, beta, g_cum, ainv, rk if store_rk else None, p, qf, ci.chunk_indices,
             cu_seqlens, ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
             use_l2=bool(use_qk_l2norm_in_kernel), is_varlen=ci.is_varlen,
-            maxnreg=(int(cfg.prepare_sm90_maxnreg) or None) if q is not None else None)
+            maxnreg=(int(cfg.prepare_sm90_maxnreg) or None) if q is not None else None,
+            rq=rq if store_rq else None)
         return (g_cum, ainv, w, u) + extra
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
     _launch(_chunk_prepare_kernel, (ci.NT * HV,),
         k, v, g, beta, g_cum, ainv if ainv is not None else dummy, w if w is not None else dummy,
-        u if u is not None else dummy, rk if store_rk else dummy, q if q is not None else k,
+        u if u is not None else dummy, rk if store_rk else dummy, rq if store_rq else dummy,
+        q if q is not None else k,
         p if p is not None else dummy, qf if qf is not None else dummy, ci.chunk_indices,
         _cu_arg(cu_seqlens, ci.chunk_offsets), T, float(scale),
         *_strides3(k), *_strides3(v), *_strides3(g), *_strides3(beta), *_strides3(q if q is not None else k),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
         G_IS_CUM=bool(g_is_cumsum), STORE_G=store_g, STORE_A=store_ainv, LOAD_A=False, STORE_W=store_wu,
         STORE_U=store_wu, STORE_RK=store_rk, STORE_P=q is not None, DT=_TL[dt], PREC=cfg.fp32_dot_precision,
-        SOLVE_PREC=solve_prec,
+        SOLVE_PREC=solve_prec, STORE_RQ=store_rq,
         num_warps=int(cfg.prepare_warps),
         # never software-pipelined: with the K loop pipelined 2 stages deep, Triton 3.6 on the H200 gave wrong,
         # run-to-run different Ainv (~0.02% of the elements off by up to 0.13) and P (bench/NOTES.md)
@@ -342,7 +353,7 @@ def recompute_w_u(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, ainv: to
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
     _launch(_chunk_prepare_kernel, (ci.NT * HV,),
-        k, v, g_cum, beta, g_cum, ainv, w, u if store_u else w, g_cum, k, g_cum, g_cum, ci.chunk_indices,
+        k, v, g_cum, beta, g_cum, ainv, w, u if store_u else w, g_cum, g_cum, k, g_cum, g_cum, ci.chunk_indices,
         _cu_arg(cu_seqlens, ci.chunk_offsets), T, 1.0, *_strides3(k), *_strides3(v), *_strides3(g_cum),
         *_strides3(beta), *_strides3(k),
         H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
