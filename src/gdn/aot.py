@@ -351,6 +351,31 @@ def compile_hopper_fused_pass(BV=32, NS=2, dtype=None, **flags):
     return compile_gluon(m._chunk_fused_sm90_kernel, args, cx)
 
 
+def compile_hopper_fused_t_pass(dtype=None, **flags):
+    """The register-state fused kernel (gdn.kernels.chunk.hopper, V tile 128) for one configuration."""
+    import torch
+    from .kernels.chunk import hopper as m
+
+    dt = dtype or torch.bfloat16
+    B, T, H, HV, K, V, BV = 1, 256, 2, 4, 128, 128, 128
+    q = torch.empty(B, T, H, K, dtype=dt)
+    v = torch.empty(B, T, HV, V, dtype=dt)
+    a = torch.empty(B, T, HV, 64, dtype=dt)
+    dn = m._GL_DT[dt]
+    f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
+    row = m._desc(m._rows2d(q), (64, K), dn)
+    args = dict(k_desc=row, v_desc=m._desc(m._rows2d(v), (64, BV), dn),
+                a_desc=m._desc(a.reshape(B * T, -1), (64, 64), dn), q_desc=row,
+                p_desc=m._desc(a.reshape(B * T, -1), (64, 64), dn), beta=torch.empty(4, dtype=dt), gcum=f32,
+                rk_in=f32, qf=f32, o=torch.empty(4, dtype=dt), h0=f32, ht=f32, h0_idx=i32, ht_idx=i32, o_idx=i32,
+                segments=i32, cu_seqlens=i32, T=T, P0=3, P1=3, PO=3, s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3,
+                s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
+    cx = dict(H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
+              STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True, NS=2, WREGS=248, num_warps=4)
+    cx.update(flags)
+    return compile_gluon(m._chunk_fused_t_sm90_kernel, args, cx)
+
+
 def compile_hopper_dh_pass(BV=32, NS=2, dtype=None, K=128, **flags):
     """The Hopper reverse pass of the backward (gdn.kernels.chunk.backward.hopper) for one configuration."""
     import torch
@@ -456,6 +481,10 @@ FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=
      for f in (dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False))]
 
 
+FUSED_T_CONFIGS = [dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,
+                        USE_L2=False), dict(H0_BY_SEG=True, H0_INDEXED=False, STORE_FINAL=False)]
+
+
 def _compile_hopper() -> int:
     from .kernels import _gluon_api
 
@@ -465,6 +494,7 @@ def _compile_hopper() -> int:
     bad = 0
     builds = [("state pass", compile_hopper_state_pass, c) for c in HOPPER_CONFIGS]
     builds += [("fused pass", compile_hopper_fused_pass, c) for c in FUSED_CONFIGS]
+    builds += [("register-state fused pass", compile_hopper_fused_t_pass, c) for c in FUSED_T_CONFIGS]
     builds += [("reverse pass", compile_hopper_dh_pass, c) for c in DH_CONFIGS]
     builds += [("parts", compile_hopper_parts, c) for c in PARTS_CONFIGS]
     builds += [("prepare", compile_hopper_prepare, c) for c in PREPARE_CONFIGS]

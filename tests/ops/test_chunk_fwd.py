@@ -321,6 +321,35 @@ def test_fused_forward_segments_by_the_cost_model(monkeypatch, T, HV, want):
         assert plan.segmented
 
 
+@pytest.mark.parametrize("B, T, H, HV, states, want", [
+    (4, 4096, 16, 32, False, 128),   # past one wave even at V tile 64: the register-state kernel on 128 columns
+    (8, 2048, 16, 32, False, 128),
+    (4, 4096, 16, 32, True, 64),     # the caller keeps h / v_new: the hand-off kernel at V tile 64
+    (1, 8192, 16, 32, False, 32),    # one wave at V tile 32
+    (1, 32768, 64, 64, False, 64),   # one wave at V tile 64
+])
+def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
+    """The fused forward's V tile (state._fused_output_plan) on a 132-SM sm_90 (emulated): the narrowest tile whose
+    grid fits one wave, else the register-state kernel at 128 where no h / v_new is kept, else 64."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import hopper, plan as plan_mod, state
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    for m in (state, plan_mod):
+        monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (32, 64))
+    dev = torch.device("cpu")
+    q = torch.empty(B, T, H, 128, dtype=torch.bfloat16)
+    v = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
+    ci = prepare_chunk_indices(None, T, 64, B, device=dev)
+    bv, plan = state._fused_output_plan(q, q, v, ci, None, False, tuning.chunk_fwd(dev), states)
+    assert bv == want and not plan.segmented
+    with tuning.override("chunk_fwd", state_sm90_fused_t=False):
+        bv, _ = state._fused_output_plan(q, q, v, ci, None, False, tuning.chunk_fwd(dev), states)
+        assert bv == (64 if want == 128 else want)
+
+
 @pytest.mark.parametrize("form", ["one sequence", "varlen one sequence", "batch"])
 @pytest.mark.parametrize("layout", ["v_last", "k_last"])
 def test_inference_forward_in_pieces_equals_whole(monkeypatch, form, layout):
@@ -844,7 +873,7 @@ def test_fused_kernel_keeps_states_when_asked(monkeypatch, fused_states):
     B, T, H, HV, K = 1, 130, 2, 4, 64
     x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
 
-    def plan(q, k, v, ci, seg, ckpt):
+    def plan(q, k, v, ci, seg, ckpt, states=False):
         return 32, state._pass_plan(ci, HV, K, K, q.device, False, seg)[0]
 
     monkeypatch.setattr(forward, "fused_output_plan", plan)

@@ -63,6 +63,10 @@ class ChunkForward:
     # ... also when the caller keeps h / v_new (training with bwd_save_states, return_chunk_states): the chain stores
     # them as the state pass would (h in the tensor-core dtype; an fp32 h keeps the state pass + output kernel)
     state_sm90_fused_states: bool = True
+    # ... where even V tile 64 needs more than one wave and the caller keeps no h / v_new: the register-state kernel
+    # at V tile 128 (hopper._chunk_fused_t_sm90_kernel: two warpgroups, each 64 rows of S^T in registers, every
+    # chained operand a register A operand; state._fused_output_plan)
+    state_sm90_fused_t: bool = True
     # ... also as the final pass of segmented plans (few heads over long sequences), with segments re-planned so that
     # its grid fits one wave (state._one_wave_len): no h / v_new in memory there either. H100 A/B in
     # bench/NOTES.md (kernel sums 1x8192 4/8 351 -> 206 us, 8/16 396 -> 341, 1x65536 2/8 1255 -> 1191)

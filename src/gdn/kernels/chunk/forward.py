@@ -61,7 +61,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     # Hopper: the output computed by the state pass itself (P and qf from the prepare kernel; h / v_new in memory
     # only when asked for, and then only in the tensor-core dtype: chunk_fwd.state_sm90_fused_states)
     fused_ok = not return_states or (cfg.state_sm90_fused_states and h_dtype == dt)
-    bv_fused, plan = (fused_output_plan(q, k, v, ci, segment_chunks, ckpt)
+    bv_fused, plan = (fused_output_plan(q, k, v, ci, segment_chunks, ckpt, states=return_states)
                       if (fused_ok and from_ainv and a_dtype == dt) else (0, None))
     if cfg.piece_token_heads and not (_whole or return_states or store_ainv or ckpt or final_indices is not None) \
             and state_indices is None and final_state is None and (ci.N == 1 or cu_seqlens is None) \

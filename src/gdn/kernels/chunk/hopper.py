@@ -2,7 +2,8 @@
 pass alone (``_state_pass_sm90_kernel``: h per chunk and v_new to memory, for the backward and ``return_states``),
 and the state pass with the output fused in (``_chunk_fused_sm90_kernel``: a second warpgroup computes
 ``o = diag(qf) (q @ h_c) + P @ v_new_c`` of chunk c from hand-off slots in shared memory while the first runs chunk
-c + 1; P and qf come from the prepare kernel; no h / v_new in memory).
+c + 1; P and qf come from the prepare kernel; no h / v_new in memory); and that fused pass with the state transposed
+and held in registers on 128-column tiles (``_chunk_fused_t_sm90_kernel``, for grids past one wave).
 
 Same math, inputs and outputs as the portable ``_chunk_state_kernel`` in its default mode (``v_new`` from Ainv,
 no fused output), for one program per (V tile, value head, segment)::
@@ -397,6 +398,191 @@ if G.AVAILABLE:
         ], [4], [OUT_REGS])
 
 
+    @gluon.jit
+    def _load_gates_t(gcum, beta, rk_in, qf, row0, t1, eos, tok0, i_b, i_h, i_hv, has_chunk, s_bb, s_bt, s_bh,
+                      H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr):
+        """g_cum, beta, r_k, qf of the chunk at token row0 in ``t1``'s layout (one element per thread; 0 past the
+        sequence) and g_cum of its last valid row (0 without a chunk)."""
+        g, b, rk, g_last = _chunk_gates(gcum, beta, rk_in, row0, t1, eos, tok0, i_b, i_h, i_hv, has_chunk, s_bb,
+                                        s_bt, s_bh, H, HV, USE_L2)
+        rows = row0 + t1
+        f = gl.load(qf + (tok0 + rows) * HV + i_hv, mask=rows < eos, other=0.0)
+        return g, b, rk, f, g_last
+
+    @gluon.jit
+    def _store_gates_t(gt_s, g, b, rk, f, C: gl.constexpr):
+        gt_s.slice(0, C).store(g)
+        gt_s.slice(C, C).store(b)
+        gt_s.slice(2 * C, C).store(rk)
+        gt_s.slice(3 * C, C).store(f)
+
+    @gluon.jit
+    def _t_steps(
+        k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
+        beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx,
+        n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, half,
+        s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HB: gl.constexpr,
+        USE_L2: gl.constexpr, INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
+        STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
+        NS: gl.constexpr, ISSUE: gl.constexpr,
+    ):
+        """One warpgroup's 64 rows (V columns i_v BV + half HB ..) of the register-state chain; ISSUE: this
+        partition also issues the TMA ring (a stage is refilled once both partitions arrived on its ``emp``)."""
+        C: gl.constexpr = 64
+        i_h = i_hv // (HV // H)
+        tok0 = i_b * T
+        dt: gl.constexpr = k_desc.dtype
+        m64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        mK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
+        opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=m64, k_width=2)
+        opK: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mK, k_width=2)
+        cols: gl.constexpr = gl.SliceLayout(0, m64)
+        to = gl.arange(0, C, layout=cols)
+        v0 = i_v * BV + half * HB
+        vr = v0 + gl.arange(0, HB, layout=gl.SliceLayout(1, mK))
+        kc = gl.arange(0, K, layout=gl.SliceLayout(0, mK))
+        m_vk = (vr[:, None] < V) & (kc[None, :] < K)
+        if INIT == 1:
+            row0, ok0 = _state_row(h0_idx, i_s, n, P0, H0_BY_SEG, H0_INDEXED)
+            p0 = h0 + row0 * s0n + i_hv * s0h + kc[None, :] * s0k + vr[:, None] * s0v
+            st = gl.load(p0, mask=m_vk & ok0, other=0.0).to(gl.float32)
+        else:
+            st = gl.zeros([HB, K], gl.float32, layout=mK)
+        nbytes: gl.constexpr = (2 * C * K + C * BV + 2 * C * C) * (dt.primitive_bitwidth // 8)
+        col_k = i_h * K
+        col_v = i_hv * V + i_v * BV
+        col_a = i_hv * C
+        if ISSUE:
+            for j in gl.static_range(NS - 1):
+                pred = c_beg + j < c_end
+                row = tok0 + bos + (c_beg + j) * C
+                _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(j), k_s.index(j), v_s.index(j), a_s.index(j),
+                                   row, col_k, col_v, col_a, pred, nbytes)
+                tma_load(q_desc, [row, col_k], bars.index(j), q_s.index(j), pred=pred)
+                tma_load(p_desc, [row, col_a], bars.index(j), p_s.index(j), pred=pred)
+        gl1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        t1 = gl.arange(0, C, layout=gl1)
+        g1, b1, r1, f1, gl_n = _load_gates_t(gcum, beta, rk_in, qf, bos + c_beg * C, t1, eos, tok0, i_b, i_h, i_hv,
+                                             c_beg < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
+        _store_gates_t(gt_s, g1, b1, r1, f1, C)
+        cta_barrier()
+        keep = n >= 0
+        if O_INDEXED:
+            oi = gl.load(o_idx + n)
+            keep = (oi >= 0) & (oi < PO)
+        ol: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        o_t = gl.arange(0, C, layout=gl.SliceLayout(1, ol))
+        o_v = v0 + gl.arange(0, HB, layout=gl.SliceLayout(0, ol))
+        zero = gl.zeros([HB, C], gl.float32, layout=m64)
+        for c in range(c_beg, c_end):
+            it = c - c_beg
+            s = it % NS
+            if ISSUE:
+                sf = (it + NS - 1) % NS
+                # stage sf held chunk c - 1: refilled once both partitions are done with it
+                mbarrier.wait(emp.index(sf), ((it - 1) // NS) & 1, pred=it >= 1)
+                pred = c + NS - 1 < c_end
+                row = tok0 + bos + (c + NS - 1) * C
+                _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(sf), k_s.index(sf), v_s.index(sf),
+                                   a_s.index(sf), row, col_k, col_v, col_a, pred, nbytes)
+                tma_load(q_desc, [row, col_k], bars.index(sf), q_s.index(sf), pred=pred)
+                tma_load(p_desc, [row, col_a], bars.index(sf), p_s.index(sf), pred=pred)
+            g_last = gl_n
+            g1, b1, r1, f1, gl_n = _load_gates_t(gcum, beta, rk_in, qf, bos + (c + 1) * C, t1, eos, tok0, i_b, i_h,
+                                                 i_hv, c + 1 < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
+            rows = bos + c * C + to
+            m = rows < eos
+            sa = gl.convert_layout(st.to(dt), opK)
+            mbarrier.wait(bars.index(s), (it // NS) & 1)
+            qst = warpgroup_mma(sa, q_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            kst = warpgroup_mma(sa, k_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            vt = v_s.index(s).slice(half * HB, HB, dim=1).permute((1, 0)).load(m64)
+            qst, kst, sa = warpgroup_mma_wait(0, deps=[qst, kst, sa])
+            b_g = gt_s.slice(0, C).load(cols)
+            fk = gl.exp(b_g) * gt_s.slice(2 * C, C).load(cols)
+            rt = gl.where(m[None, :], (vt.to(gl.float32) - kst * fk[None, :]) * gt_s.slice(C, C).load(cols)[None, :],
+                          0.0)
+            ra = gl.convert_layout(rt.to(dt), opA)
+            vnt = warpgroup_mma(ra, a_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            vnt, ra = warpgroup_mma_wait(0, deps=[vnt, ra])
+            vnt = gl.where(m[None, :], vnt, 0.0)
+            dec = gl.where(m, gl.exp(g_last - gt_s.slice(0, C).load(cols)) * gt_s.slice(2 * C, C).load(cols), 0.0)
+            da = gl.convert_layout((vnt * dec[None, :]).to(dt), opA)
+            va = gl.convert_layout(vnt.to(dt), opA)
+            st = warpgroup_mma(da, k_s.index(s), st * gl.exp(g_last), is_async=True)
+            ot = warpgroup_mma(va, p_s.index(s).permute((1, 0)), qst * gt_s.slice(3 * C, C).load(cols)[None, :],
+                               is_async=True)
+            st, ot, da, va = warpgroup_mma_wait(0, deps=[st, ot, da, va])
+            mbarrier.arrive(emp.index(s), count=1)     # this partition is done with stage s
+            ot = gl.where(keep, ot, 0.0)
+            oo = gl.convert_layout(gl.permute(ot, (1, 0)), ol)
+            po = o + ((tok0 + bos + c * C + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
+            gl.store(po, oo.to(o.dtype.element_ty), mask=((bos + c * C + o_t) < eos)[:, None] & (o_v[None, :] < V))
+            cta_barrier()
+            _store_gates_t(gt_s, g1, b1, r1, f1, C)
+            cta_barrier()
+        if STORE_FINAL:
+            row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
+            p1 = ht + row1 * s1n + i_hv * s1h + kc[None, :] * s1k + vr[:, None] * s1v
+            gl.store(p1, st.to(ht.dtype.element_ty), mask=m_vk & ok1)
+
+    @gluon.jit
+    def _chunk_fused_t_sm90_kernel(
+        k_desc, v_desc, a_desc, q_desc, p_desc,
+        beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx, segments, cu_seqlens,
+        T, P0, P1, PO, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+        USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
+        H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
+        HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, WREGS: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
+        """The fused state + output pass with the state transposed and held in registers, over V tile BV = 128 as two
+        warpgroup partitions (``_t_steps``, 64 rows of S^T [BV, K] each) that share one TMA ring (k, v, Ainv, q, P
+        of a chunk; a stage is refilled once both have arrived on its ``emp`` barrier) and run side by side. S^T is
+        the fp32 accumulator of ``S^T += d^T k`` and, rounded, the register A operand of ``S^T k^T`` and
+        ``S^T q^T``; every chained operand is a register A operand, so the chain has no shared-memory round trip,
+        fence or barrier (FlashInfer's sm_90 layout; bench/NOTES.md)::
+
+            (k S)^T = S^T k^T;   r^T = (v^T - (k S)^T diag(e^g r_k)) diag(beta);   v_new^T = r^T Ainv^T
+            o^T     = (S^T q^T) diag(qf) + v_new^T P^T;   S^T <- e^(g_last) S^T + (v_new^T diag(dec)) k
+
+        Same inputs and outputs as ``_chunk_fused_sm90_kernel`` without STORE_H / STORE_VNEW."""
+        C: gl.constexpr = 64
+        HB: gl.constexpr = BV // 2
+        i_v = gl.program_id(0)
+        i_hv = gl.program_id(1)
+        i_s = gl.program_id(2)
+        n, c_beg, c_end, i_b, bos, eos = _segment_span(segments, cu_seqlens, i_s, T, IS_VARLEN)
+        dt: gl.constexpr = k_desc.dtype
+        k_s = gl.allocate_shared_memory(dt, [NS, C, K], k_desc.layout)
+        v_s = gl.allocate_shared_memory(dt, [NS, C, BV], v_desc.layout)
+        a_s = gl.allocate_shared_memory(dt, [NS, C, C], a_desc.layout)
+        q_s = gl.allocate_shared_memory(dt, [NS, C, K], q_desc.layout)
+        p_s = gl.allocate_shared_memory(dt, [NS, C, C], p_desc.layout)
+        bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        emp = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        g0_s = gl.allocate_shared_memory(gl.float32, [4 * C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        g1_s = gl.allocate_shared_memory(gl.float32, [4 * C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        for j in gl.static_range(NS):
+            mbarrier.init(bars.index(j), count=1)
+            mbarrier.init(emp.index(j), count=2)
+        gl.warp_specialize([
+            (_t_steps, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, g0_s,
+                        beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx,
+                        n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 0,
+                        s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                        H, HV, K, V, BV, HB, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
+                        O_INDEXED, NS, True)),
+            (_t_steps, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, g1_s,
+                        beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx,
+                        n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 1,
+                        s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                        H, HV, K, V, BV, HB, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
+                        O_INDEXED, NS, False)),
+        ], [4], [WREGS])
+
 _GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # register budget of the fused kernel's output partition (``gl.warp_specialize``'s worker_num_regs)
 OUTPUT_PARTITION_REGS = 160
@@ -492,25 +678,46 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
         HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, NS=stages, FROM_AINV=from_ainv, num_warps=num_warps)
 
 
+def transposed_ok(K: int, BV: int, h_out, vnew) -> bool:
+    """Whether the register-state fused kernel (``_chunk_fused_t_sm90_kernel``) takes a fused launch: V tile 128 (two
+    warpgroups of 64 rows of S^T), K = 128, no per-chunk h / v_new stores."""
+    return BV == 128 and K == 128 and h_out is None and vnew is None
+
+
 def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
     """Whether the fused state + output kernel can take a launch that the state pass (``supported``) takes in ainv
     mode: q laid out like k (2-D TMA view) and V tile 32 or 64 (shared memory of the two partitions: ~140 KB at BV 32,
-    ~180 KB at BV 64, K = 128)."""
+    ~180 KB at BV 64, K = 128); V tile 128 is the register-state kernel's (:func:`transposed_ok`)."""
     return G.AVAILABLE and q.dtype == k.dtype and q.shape == k.shape and BV in (32, 64) and _rows2d(q) is not None
 
 
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
                       cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
-                      H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, h_out=None, vnew=None, chunk_offsets=None):
+                      H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, h_out=None, vnew=None, chunk_offsets=None,
+                      transposed=False):
     """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
     (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs) and the final state;
     h [NT, HV, K, V] (k's dtype, with ``chunk_offsets``) and v_new [B, T, HV, V] only when given. ``o_idx``: the
     pool index whose invalid rows give zero outputs (None: every sequence is valid). Other arguments as
-    :func:`launch_state_pass` (ainv mode)."""
+    :func:`launch_state_pass` (ainv mode). ``transposed`` (V tile 128, no h / v_new stores: :func:`transposed_ok`):
+    the register-state kernel ``_chunk_fused_t_sm90_kernel`` instead."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
+    if transposed:
+        if not transposed_ok(K, BV, h_out, vnew):
+            raise ValueError(f"launch_fused_pass: the register-state kernel takes V tile 128, K = 128, no h / v_new "
+                             f"(got BV={BV}, K={K}, h_out={h_out is not None}, vnew={vnew is not None})")
+        launch(_chunk_fused_t_sm90_kernel, grid,
+            k_desc, _desc(_rows2d(v), (CHUNK, BV), dn), _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn),
+            q_desc, _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn),
+            beta, g_cum, rk, qf, o, h0 if h0 is not None else g_cum, ht if ht is not None else g_cum, h0_idx, ht_idx,
+            o_idx if o_idx is not None else h0_idx, segments, cu_seqlens, T, P0, P1, PO, *s_beta, *s0, *s1,
+            H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
+            H0_INDEXED=H0_INDEXED, STORE_FINAL=ht is not None, HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED,
+            O_INDEXED=o_idx is not None, NS=2, WREGS=248, num_warps=4)
+        return
     v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
     a_desc = _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
     p_desc = _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)

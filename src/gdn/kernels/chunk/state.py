@@ -246,11 +246,13 @@ def _plan_pass(ci, HV, K, V, dev, sm90, segment_chunks, cfg):
 
 
 def fused_output_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ci: ChunkIndex,
-                      segment_chunks: Optional[int] = None, checkpoints: bool = False):
+                      segment_chunks: Optional[int] = None, checkpoints: bool = False, states: bool = False):
     """(V tile, segment plan) of the fused Hopper state + output kernel for an ainv-mode forward of these inputs, or
     (0, None) where it does not take the final pass (not sm_90, unsupported dtype / layout / shape, checkpoints, the
     ``chunk_fwd.state_sm90`` / ``state_sm90_fused`` fields off, no Gluon tile chosen). Both go to
-    :func:`chunk_state_pass` in its ``output`` dict, which then plans nothing itself."""
+    :func:`chunk_state_pass` in its ``output`` dict, which then plans nothing itself. V tile 128 means the
+    register-state kernel (``hopper._chunk_fused_t_sm90_kernel``; only where the caller keeps no h / v_new,
+    ``states`` false)."""
     dev = k.device
     cfg = tuning.chunk_fwd(dev)
     if not (cfg.state_sm90 and cfg.state_sm90_fused) or cfg.state_split_h or ci.N == 0 or v.shape[2] == 0:
@@ -259,11 +261,11 @@ def fused_output_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ci: Chu
     # function of those, and working it out costs ~60 us of host time per call (bench/NOTES.md, host overhead)
     key = (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), q.dtype, k.dtype, v.dtype,
            q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, id(ci), segment_chunks, bool(checkpoints), dev,
-           id(cfg))
+           id(cfg), bool(states))
     hit = _FUSED_PLANS.get(key)
     if hit is not None and hit[0] is ci and hit[1] is cfg:
         return hit[2]
-    out = _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg)
+    out = _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states)
     if len(_FUSED_PLANS) >= 64:
         _FUSED_PLANS.pop(next(iter(_FUSED_PLANS)))
     _FUSED_PLANS[key] = (ci, cfg, out)    # ci and cfg kept alive so that their ids stay theirs
@@ -273,7 +275,7 @@ def fused_output_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ci: Chu
 _FUSED_PLANS: dict = {}
 
 
-def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg):
+def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
     B, T, H, K = k.shape
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
@@ -288,13 +290,23 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg):
     # at V tile 64 (H200 kernel sums against the portable pass + output kernel: 4x4096 16/32 0.696 -> 0.572 ms,
     # 8x2048 0.700 -> 0.573, 64x256 0.778 -> 0.658; bench/NOTES.md)
     bv = sm90_tile(plan.S * HV) or (64 if V % 64 == 0 and not plan.segmented else 0)
+    if bv == 64 and not sm90_tile(plan.S * HV) and cfg.state_sm90_fused_t and not states and V % 128 == 0 \
+            and hopper.transposed_ok(K, 128, None, None):
+        # more than one wave even at V tile 64: the register-state kernel on whole 128-column tiles (two warpgroups
+        # of 64 rows of S^T sharing one TMA ring), half the CTAs at ~1.85x the step (H200 fused kernel 4x4096 16/32
+        # 271 -> 242 us, 8x2048 275 -> 247, 4x4096 16/64 564 -> 506; bench/NOTES.md)
+        bv = 128
     forced = (segment_chunks if segment_chunks is not None else cfg.segment_chunks) or cfg.state_sm90_BV
     if plan.segmented and cfg.state_sm90_fused_segmented and not forced:
         # segmented plans (long sequences, few heads): segments re-planned so that the fused final pass fits one wave
         # (with the planner's segments its grid took several: gdn bench 1x8192 8/16 0.63 -> 1.15 ms, H200), at the
         # V tile the cost model prefers, or no segments where they do not pay
         bv, plan = _fused_segments(ci, HV, K, V, dev, plan, cfg, sm90_tile(ci.N * HV))
-    return (bv, plan) if bv and hopper.fused_supported(q, k, bv) else (0, None)
+    if bv == 128:   # the register-state kernel (also where a forced state_sm90_BV asks for 128)
+        ok = not states and hopper.transposed_ok(K, bv, None, None) and hopper.fused_supported(q, k, 64)
+    else:
+        ok = bool(bv) and hopper.fused_supported(q, k, bv)
+    return (bv, plan) if ok else (0, None)
 
 
 def _fused_segments(ci: ChunkIndex, HV: int, K: int, V: int, dev, plan, cfg, plain_bv: int):
@@ -465,7 +477,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 output["PO"], sb, s0, s1, H=H, HV=HV, K=K, V=V, use_l2=l2,
                 is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
-                BV=bv_fused, stages=cfg.state_sm90_stages, h_out=h_out, vnew=vn_out, chunk_offsets=ci.chunk_offsets)
+                BV=bv_fused, stages=cfg.state_sm90_stages, h_out=h_out, vnew=vn_out, chunk_offsets=ci.chunk_offsets,
+                transposed=bv_fused == 128)
             return
         bv9 = sm90_tile(S * HV) if (not fused and n_extra == 0 and Vd == V) else 0
         if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,
