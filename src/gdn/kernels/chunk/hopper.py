@@ -583,6 +583,7 @@ if G.AVAILABLE:
                         O_INDEXED, NS, False)),
         ], [4], [WREGS])
 
+
 _GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # register budget of the fused kernel's output partition (``gl.warp_specialize``'s worker_num_regs)
 OUTPUT_PARTITION_REGS = 160
