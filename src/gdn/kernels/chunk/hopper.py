@@ -417,6 +417,14 @@ if G.AVAILABLE:
         gt_s.slice(3 * C, C).store(f)
 
     @gluon.jit
+    def _issue_stage_loads(k_desc, v_desc, a_desc, q_desc, p_desc, bar, k_buf, v_buf, a_buf, q_buf, p_buf, row, col_k,
+                           col_v, col_a, pred, nbytes: gl.constexpr):
+        """:func:`_issue_chunk_loads` plus the chunk's q [64, K] and P [64, 64] tiles, all on ``bar``."""
+        _issue_chunk_loads(k_desc, v_desc, a_desc, bar, k_buf, v_buf, a_buf, row, col_k, col_v, col_a, pred, nbytes)
+        tma_load(q_desc, [row, col_k], bar, q_buf, pred=pred)
+        tma_load(p_desc, [row, col_a], bar, p_buf, pred=pred)
+
+    @gluon.jit
     def _t_steps(
         k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
         beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx,
@@ -455,12 +463,9 @@ if G.AVAILABLE:
         col_a = i_hv * C
         if ISSUE:
             for j in gl.static_range(NS - 1):
-                pred = c_beg + j < c_end
-                row = tok0 + bos + (c_beg + j) * C
-                _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(j), k_s.index(j), v_s.index(j), a_s.index(j),
-                                   row, col_k, col_v, col_a, pred, nbytes)
-                tma_load(q_desc, [row, col_k], bars.index(j), q_s.index(j), pred=pred)
-                tma_load(p_desc, [row, col_a], bars.index(j), p_s.index(j), pred=pred)
+                _issue_stage_loads(k_desc, v_desc, a_desc, q_desc, p_desc, bars.index(j), k_s.index(j), v_s.index(j),
+                                   a_s.index(j), q_s.index(j), p_s.index(j), tok0 + bos + (c_beg + j) * C, col_k,
+                                   col_v, col_a, c_beg + j < c_end, nbytes)
         gl1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         t1 = gl.arange(0, C, layout=gl1)
         g1, b1, r1, f1, gl_n = _load_gates_t(gcum, beta, rk_in, qf, bos + c_beg * C, t1, eos, tok0, i_b, i_h, i_hv,
@@ -482,12 +487,9 @@ if G.AVAILABLE:
                 sf = (it + NS - 1) % NS
                 # stage sf held chunk c - 1: refilled once both partitions are done with it
                 mbarrier.wait(emp.index(sf), ((it - 1) // NS) & 1, pred=it >= 1)
-                pred = c + NS - 1 < c_end
-                row = tok0 + bos + (c + NS - 1) * C
-                _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(sf), k_s.index(sf), v_s.index(sf),
-                                   a_s.index(sf), row, col_k, col_v, col_a, pred, nbytes)
-                tma_load(q_desc, [row, col_k], bars.index(sf), q_s.index(sf), pred=pred)
-                tma_load(p_desc, [row, col_a], bars.index(sf), p_s.index(sf), pred=pred)
+                _issue_stage_loads(k_desc, v_desc, a_desc, q_desc, p_desc, bars.index(sf), k_s.index(sf),
+                                   v_s.index(sf), a_s.index(sf), q_s.index(sf), p_s.index(sf),
+                                   tok0 + bos + (c + NS - 1) * C, col_k, col_v, col_a, c + NS - 1 < c_end, nbytes)
             g_last = gl_n
             g1, b1, r1, f1, gl_n = _load_gates_t(gcum, beta, rk_in, qf, bos + (c + 1) * C, t1, eos, tok0, i_b, i_h,
                                                  i_hv, c + 1 < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
@@ -499,6 +501,8 @@ if G.AVAILABLE:
             kst = warpgroup_mma(sa, k_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             vt = v_s.index(s).slice(half * HB, HB, dim=1).permute((1, 0)).load(m64)
             qst, kst, sa = warpgroup_mma_wait(0, deps=[qst, kst, sa])
+            # the token vectors are read from gt_s where used (again for dec below), not held: in this layout each
+            # costs 16 registers per thread, and the first build that held them spilled 256 B
             b_g = gt_s.slice(0, C).load(cols)
             fk = gl.exp(b_g) * gt_s.slice(2 * C, C).load(cols)
             rt = gl.where(m[None, :], (vt.to(gl.float32) - kst * fk[None, :]) * gt_s.slice(C, C).load(cols)[None, :],
@@ -679,10 +683,10 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
         HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, NS=stages, FROM_AINV=from_ainv, num_warps=num_warps)
 
 
-def transposed_ok(K: int, BV: int, h_out, vnew) -> bool:
+def transposed_ok(K: int, V: int, BV: int, h_out, vnew) -> bool:
     """Whether the register-state fused kernel (``_chunk_fused_t_sm90_kernel``) takes a fused launch: V tile 128 (two
-    warpgroups of 64 rows of S^T), K = 128, no per-chunk h / v_new stores."""
-    return BV == 128 and K == 128 and h_out is None and vnew is None
+    warpgroups of 64 rows of S^T) dividing V, K = 128, no per-chunk h / v_new stores."""
+    return BV == 128 and V % BV == 0 and K == 128 and h_out is None and vnew is None
 
 
 def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
@@ -706,22 +710,22 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
+    v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
+    a_desc = _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
+    p_desc = _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
     if transposed:
-        if not transposed_ok(K, BV, h_out, vnew):
-            raise ValueError(f"launch_fused_pass: the register-state kernel takes V tile 128, K = 128, no h / v_new "
-                             f"(got BV={BV}, K={K}, h_out={h_out is not None}, vnew={vnew is not None})")
+        if not transposed_ok(K, V, BV, h_out, vnew):
+            raise ValueError(f"launch_fused_pass: the register-state kernel takes V tile 128 dividing V, K = 128, no "
+                             f"h / v_new (got BV={BV}, V={V}, K={K}, h_out={h_out is not None}, "
+                             f"vnew={vnew is not None})")
         launch(_chunk_fused_t_sm90_kernel, grid,
-            k_desc, _desc(_rows2d(v), (CHUNK, BV), dn), _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn),
-            q_desc, _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn),
+            k_desc, v_desc, a_desc, q_desc, p_desc,
             beta, g_cum, rk, qf, o, h0 if h0 is not None else g_cum, ht if ht is not None else g_cum, h0_idx, ht_idx,
             o_idx if o_idx is not None else h0_idx, segments, cu_seqlens, T, P0, P1, PO, *s_beta, *s0, *s1,
             H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
             H0_INDEXED=H0_INDEXED, STORE_FINAL=ht is not None, HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED,
             O_INDEXED=o_idx is not None, NS=2, WREGS=248, num_warps=4)
         return
-    v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
-    a_desc = _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
-    p_desc = _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
     # no h store: a descriptor is still an argument (never stored through)
     h_desc = _desc(h_out.view(-1, V), (K, BV), dn) if h_out is not None else q_desc
     launch(_chunk_fused_sm90_kernel, grid,

@@ -237,8 +237,8 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
                    H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
-    P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (r_q only with q and the L2 norm). Unused tensors may be
-    None."""
+    P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with q and the L2 norm; the caller
+    passes it only then). Unused tensors may be None."""
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn) if q is not None else k_desc
@@ -248,7 +248,7 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
         qf if qf is not None else g_cum, chunk_indices, cu_seqlens if cu_seqlens is not None else chunk_indices,
         T, float(scale), *s_g, *s_beta,
         H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
-        STORE_P=q is not None, STORE_RQ=rq is not None and q is not None and use_l2, num_warps=4,
+        STORE_P=q is not None, STORE_RQ=rq is not None, num_warps=4,
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
 

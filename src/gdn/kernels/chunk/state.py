@@ -290,8 +290,8 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
     # at V tile 64 (H200 kernel sums against the portable pass + output kernel: 4x4096 16/32 0.696 -> 0.572 ms,
     # 8x2048 0.700 -> 0.573, 64x256 0.778 -> 0.658; bench/NOTES.md)
     bv = sm90_tile(plan.S * HV) or (64 if V % 64 == 0 and not plan.segmented else 0)
-    if bv == 64 and not sm90_tile(plan.S * HV) and cfg.state_sm90_fused_t and not states and V % 128 == 0 \
-            and hopper.transposed_ok(K, 128, None, None):
+    if bv == 64 and not sm90_tile(plan.S * HV) and cfg.state_sm90_fused_t and not states \
+            and hopper.transposed_ok(K, V, 128, None, None):
         # more than one wave even at V tile 64: the register-state kernel on whole 128-column tiles (two warpgroups
         # of 64 rows of S^T sharing one TMA ring), half the CTAs at ~1.85x the step (H200 fused kernel 4x4096 16/32
         # 271 -> 242 us, 8x2048 275 -> 247, 4x4096 16/64 564 -> 506; bench/NOTES.md)
@@ -303,7 +303,7 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
         # V tile the cost model prefers, or no segments where they do not pay
         bv, plan = _fused_segments(ci, HV, K, V, dev, plan, cfg, sm90_tile(ci.N * HV))
     if bv == 128:   # the register-state kernel (also where a forced state_sm90_BV asks for 128)
-        ok = not states and hopper.transposed_ok(K, bv, None, None) and hopper.fused_supported(q, k, 64)
+        ok = not states and hopper.transposed_ok(K, V, bv, None, None) and hopper.fused_supported(q, k, 64)
     else:
         ok = bool(bv) and hopper.fused_supported(q, k, bv)
     return (bv, plan) if ok else (0, None)
