@@ -712,7 +712,7 @@ def run_layer_decode(case: Case, ctx: Ctx) -> dict:
                 "ssm_state": dev_rel_err(ssm_pool[rows], rs)}
 
     note = (f"in_proj (one GEMM), conv update + recurrent step + gated norm (one fused kernel where the decode_step "
-            f"table says so: fp32 states, bf16 k_last), out_proj after a {LAYER_DECODE_PREFILL}-token prefill; "
+            f"table's row says fused: every state dtype and layout today), out_proj after a {LAYER_DECODE_PREFILL}-token prefill; "
             f"cache: {case.state_dtype} recurrent and conv states (GDNCache's conv dtype defaults to its state dtype), "
             f"{cache.state_layout} layout (its default)")
     impls = [Impl("gdn", run=step, check=check, graph=True, note=note)]

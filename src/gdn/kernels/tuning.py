@@ -233,14 +233,15 @@ TABLES: Dict[str, dict] = {
         ("default", "half_state_many_vlast"): Decode(64, 2, 3, 4),
     },
     # one program per (sequence, value head), its state walked in BV-column tiles; shape class by the state's bytes
-    # per element and layout. H200 sweep of BV x warps x stages, layer step at N = 256 (CUDA graph, bench/NOTES.md):
-    # fp32 v_last 338 -> 328 us, k_last 336 -> 336, bf16 k_last 210 -> 205; bf16 v_last lost (best 239 vs 233 us
-    # unfused): separate kernels there
+    # per element and layout. H200 sweeps of BV x warps x stages, layer step at N = 256 (CUDA graph, bench/NOTES.md):
+    # fp32 v_last 338 -> 328 us, k_last 336 -> 336; 16-bit states with one warp per program and a deeper tile
+    # pipeline (2026-11-26 sweep, results/layer_decode_tiles_h200.json): k_last 197.3 -> 193.0 us, v_last fused
+    # 226-228 us against 236.7 for the separate kernels
     "decode_step": {
         ("default", "fp32_vlast"): DecodeStep(64, 4, 1),
         ("default", "fp32_klast"): DecodeStep(32, 4, 1),
-        ("default", "half_vlast"): DecodeStep(32, 2, 3, fused=False),
-        ("default", "half_klast"): DecodeStep(32, 4, 1),
+        ("default", "half_vlast"): DecodeStep(32, 1, 3),
+        ("default", "half_klast"): DecodeStep(16, 1, 4),
     },
     "recurrent": {
         ("default", "few_heads"): Recurrent(8, 1, 1),          # N * HV < 2048: one-warp 8-column programs
