@@ -392,7 +392,6 @@ def test_reverse_pass_plan_sm90(monkeypatch):
     dev = torch.device("cuda", 0)
     monkeypatch.setitem(tuning._CAPS, 0, "sm_90")
     monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
-    monkeypatch.setattr(reverse, "_num_sms", lambda d: 132)
     monkeypatch.setattr(reverse.hopper, "supported", lambda *a: True)
     x = torch.empty(1, 1, 1, 128, dtype=torch.bfloat16)
 
@@ -464,7 +463,6 @@ def _recorded_reverse_pass(monkeypatch, N, L, H, HV, K, plan=None):
 
     monkeypatch.setitem(tuning._CAPS, 0, "sm_90")
     monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
-    monkeypatch.setattr(reverse, "_num_sms", lambda d: 132)
     monkeypatch.setattr(reverse.hopper, "supported", lambda *a: True)
     passes, dvl, others = [], [], []
     monkeypatch.setattr(reverse.hopper, "launch_dh_pass", lambda *a, **kw: passes.append(kw))

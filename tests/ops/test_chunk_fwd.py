@@ -271,10 +271,10 @@ def test_forced_segments(seg):
 def test_one_wave_segments_for_the_fused_final_pass(monkeypatch):
     """Segment length for a fused final pass: the shortest power-of-two multiple of the planner's length whose grid
     V / tile x HV x segments fits one CTA per SM; 0 where no split fits or the tile does not divide V."""
-    from gdn.kernels.chunk import state
+    from gdn.kernels.chunk import plan as plan_mod, state
     from gdn.kernels.chunk.plan import prepare_chunk_indices
 
-    monkeypatch.setattr(state, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(plan_mod, "_num_sms", lambda dev: 132)
     dev = torch.device("cpu")
     ci = prepare_chunk_indices(None, 65536, 64, 1, device=dev)                      # 1024 chunks
     assert state._one_wave_len(ci, 8, 128, 32, dev, 64) == 256                      # 4 x 8 x 4 = 128 CTAs
@@ -301,10 +301,11 @@ def test_fused_forward_segments_by_the_cost_model(monkeypatch, T, HV, want):
     """Where the planner segments, the fused forward takes the cheapest of the plain pass and the one-wave segmented
     runs at V tile 32 / 64 (state._fused_segments); the cases are H200 kernel sums (tuning comment, 132 SMs)."""
     from gdn.kernels import tuning
-    from gdn.kernels.chunk import state
+    from gdn.kernels.chunk import plan as plan_mod, state
     from gdn.kernels.chunk.plan import plan_segments, prepare_chunk_indices
 
-    monkeypatch.setattr(state, "_num_sms", lambda dev: 132)
+    for m in (state, plan_mod):
+        monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
     dev = torch.device("cpu")
     ci = prepare_chunk_indices(None, T, 64, 1, device=dev)
     cfg = tuning.chunk_fwd(dev)

@@ -139,6 +139,17 @@ def segment_count(ci: ChunkIndex, seg_len: int) -> int:
     return sum(cdiv(nc, seg_len) if nc else 1 for nc in ci.nchunks)
 
 
+def one_wave_segment_len(ci: ChunkIndex, programs: int, device, min_len: int) -> int:
+    """Chunks per segment (a power-of-two multiple of ``min_len``) of the shortest segments whose launch of
+    ``programs`` CTAs per segment fits one wave, one CTA per SM (the sm_90 segmented passes); 0 where no such split
+    cuts a sequence in two."""
+    room, longest = _num_sms(device) // programs, max(ci.nchunks)
+    L = max(1, min_len)
+    while L < longest and segment_count(ci, L) > room:
+        L *= 2
+    return L if L < longest else 0
+
+
 def choose_segment_len(ci: ChunkIndex, HV: int, V: int, BV: int, device, force: Optional[int] = None,
                        K: Optional[int] = None, plain_cost: Optional[float] = None) -> Optional[int]:
     """Chunks per segment for the segmented state pass, or None for the plain sequential pass.

@@ -19,8 +19,8 @@ from ..common import cdiv, l2_rnorm
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _pow2, _rn,
                      _seq_span, _state_row, _strides3)
 from . import hopper
-from .plan import (ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, one_wave_tile, plan_segments,
-                   segment_count)
+from .plan import (ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, one_wave_segment_len, one_wave_tile,
+                   plan_segments)
 from .segments import merge_segment_states
 
 
@@ -345,17 +345,10 @@ def _segmented_cost(ci: ChunkIndex, plan, HV: int, K: int, V: int, bv: int, dev,
 
 
 def _one_wave_len(ci: ChunkIndex, HV: int, V: int, bv: int, dev, min_len: int) -> int:
-    """Chunks per segment (a power-of-two multiple of ``min_len``, the planner's) of the shortest segments whose fused
-    final pass at V tile ``bv`` (grid V / bv x HV x segments) fits one wave of CTAs, one per SM; 0 where no such
-    split cuts a sequence in two (or bv does not divide V)."""
-    if V % bv:
-        return 0
-    sms, longest = _num_sms(dev), max(ci.nchunks)
-    room = sms // (HV * (V // bv))
-    L = max(1, min_len)
-    while L < longest and segment_count(ci, L) > room:
-        L *= 2
-    return L if L < longest else 0
+    """Chunks per segment of the shortest segments (a power-of-two multiple of ``min_len``, the planner's) whose fused
+    final pass at V tile ``bv`` (grid V / bv x HV x segments) fits one wave (:func:`plan.one_wave_segment_len`); 0
+    where no such split cuts a sequence in two (or bv does not divide V)."""
+    return 0 if V % bv else one_wave_segment_len(ci, HV * (V // bv), dev, min_len)
 
 
 def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[torch.Tensor], g_cum: torch.Tensor,

@@ -19,8 +19,8 @@ import triton.language as tl
 
 from ...common import cdiv, l2_rnorm, next_pow2
 from ... import tuning
-from ..plan import (_num_sms, choose_reverse_segment_len, one_wave_tile, plan_segments, prepare_chunk_indices,
-                    segment_count)
+from ..plan import (choose_reverse_segment_len, one_wave_segment_len, one_wave_tile, plan_segments,
+                    prepare_chunk_indices, segment_count)
 from .common import _acc_dtype, _dot_precision, _mm_dtype, _strides
 from .dv_local import dv_local
 from . import hopper
@@ -300,16 +300,11 @@ def _reverse_segments(ci, HV: int, K: int, V: int, dev, cfg, plain_bv: int, port
     (``dh_sm90_wide_step_cost`` each at tile 64) + ``dh_sm90_merge_cost`` per segment + ``dh_sm90_segment_fixed_cost``
     (three launches more). Segments where they cost below ``dh_sm90_segment_gain`` x the plain pass; without a plain
     candidate the cheapest one-wave segments, else the heuristic's (portable) ones."""
-    longest, sms = max(ci.nchunks), _num_sms(dev)
+    longest = max(ci.nchunks)
     best = None
     for bv in (32, 64):
-        if V % bv or K % bv:
-            continue
-        room = sms // (HV * (max(V, K) // bv))
-        L = 8
-        while L < longest and segment_count(ci, L) > room:
-            L *= 2
-        if L >= longest:
+        L = 0 if V % bv or K % bv else one_wave_segment_len(ci, HV * (max(V, K) // bv), dev, 8)
+        if not L:
             continue
         step = 1.0 if bv == 32 else float(cfg.dh_sm90_wide_step_cost)
         cost = 3 * L * step + float(cfg.dh_sm90_merge_cost) * (-(-longest // L)) + float(cfg.dh_sm90_segment_fixed_cost)
