@@ -371,7 +371,8 @@ def compile_hopper_fused_t_pass(dtype=None, **flags):
                 segments=i32, cu_seqlens=i32, T=T, P0=3, P1=3, PO=3, s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3,
                 s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
     cx = dict(H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
-              STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True, NS=2, WREGS=248, num_warps=4)
+              STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True, NS=2, WREGS=m.T_CHAIN_REGS,
+              LREGS=m.T_LOADER_REGS, num_warps=4)
     cx.update(flags)
     return compile_gluon(m._chunk_fused_t_sm90_kernel, args, cx)
 
@@ -485,8 +486,34 @@ FUSED_T_CONFIGS = [dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_IN
                         USE_L2=False), dict(H0_BY_SEG=True, H0_INDEXED=False, STORE_FINAL=False)]
 
 
+def register_pool_problem(compiled, worker_regs) -> str:
+    """'' when the register claims of a warp-specialized kernel's partitions fit the registers its warps launch with,
+    else why not. The scheme checked (Triton 3.6 - 3.9, sm_90): the kernel launches ``metadata.num_warps`` warps
+    (every partition padded to whole warpgroups) at 65536 / threads registers each, rounded down to 8; the default
+    partition then claims the largest ``setmaxnreg.inc`` of the PTX and each worker warpgroup its ``worker_regs``
+    entry (setmaxnreg works per warpgroup). A claim past the pool makes the default partition wait forever: a hang
+    on the GPU, so it is caught here, on any machine."""
+    import re
+
+    ptx = compiled.asm["ptx"]
+    claims = {int(x) for x in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    missing = [r for r in worker_regs if r not in claims]
+    if missing:
+        return f"no setmaxnreg to {missing} in the PTX (claims {sorted(claims)}): the scheme changed"
+    incs = [int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    warps = compiled.metadata.num_warps
+    groups = warps // 4
+    launch = 65536 // (warps * 32) // 8 * 8
+    need = max(incs) + sum(worker_regs)
+    if groups != 1 + len(worker_regs) or need > groups * launch:
+        return (f"{warps} warps launch at {launch} registers ({groups} warpgroups, {groups * launch} per thread slot) "
+                f"but the partitions claim {max(incs)} + {' + '.join(map(str, worker_regs))} = {need}")
+    return ""
+
+
 def _compile_hopper() -> int:
     from .kernels import _gluon_api
+    from .kernels.chunk import hopper as m
 
     if not _gluon_api.AVAILABLE:
         print("gdn.aot: hopper: Gluon not available in this Triton (the portable kernels run instead)", flush=True)
@@ -498,9 +525,16 @@ def _compile_hopper() -> int:
     builds += [("reverse pass", compile_hopper_dh_pass, c) for c in DH_CONFIGS]
     builds += [("parts", compile_hopper_parts, c) for c in PARTS_CONFIGS]
     builds += [("prepare", compile_hopper_prepare, c) for c in PREPARE_CONFIGS]
+    # the warp-specialized kernels' worker register claims (the register-state kernel's fill its registers exactly)
+    ws_regs = {compile_hopper_fused_pass: [m.OUTPUT_PARTITION_REGS],
+               compile_hopper_fused_t_pass: [m.T_CHAIN_REGS, m.T_LOADER_REGS]}
     for name, build, cfg in builds:
         try:
-            build(**cfg)
+            compiled = build(**cfg)
+            workers = ws_regs.get(build)
+            why = register_pool_problem(compiled, workers) if workers else ""
+            if why:
+                raise RuntimeError(f"partition registers: {why}")
         except Exception as e:  # noqa: BLE001 - reported, counted
             bad += 1
             cause = e

@@ -27,3 +27,27 @@ def test_every_launch_compiles_for_sm90():
          + len(PREPARE_CONFIGS))
     hopper = [ln for ln in summary if ln.startswith("gdn.aot: hopper")]
     assert len(hopper) == 1 and ("Gluon not available" in hopper[0] or f" {n} of {n} " in hopper[0]), summary
+
+
+def test_register_pool_check_catches_an_oversized_claim():
+    """gdn.aot's check of warp-specialized register claims (a claim past the CTA's registers hangs the GPU) passes
+    the register-state kernel as launched and reports it with a load warp asking for 48 registers (256 + 216 + 48 >
+    3 x 168)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+    env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in [env.get("PYTHONPATH")] if p])
+    code = ("import gdn.aot as A\n"
+            "from gdn.kernels import _gluon_api\n"
+            "if not _gluon_api.AVAILABLE:\n"
+            "    print('SKIP'); raise SystemExit\n"
+            "from gdn.kernels.chunk import hopper as m\n"
+            "ok = A.register_pool_problem(A.compile_hopper_fused_t_pass(), [m.T_CHAIN_REGS, m.T_LOADER_REGS])\n"
+            "bad = A.register_pool_problem(A.compile_hopper_fused_t_pass(LREGS=48), [m.T_CHAIN_REGS, 48])\n"
+            "print(repr(ok)); print(bad)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    out = r.stdout.strip().splitlines()
+    if out == ["SKIP"]:
+        return
+    assert out[0] == "''", out
+    assert "claim 256 + 216 + 48 = 520" in out[1] and "504 per thread slot" in out[1], out

@@ -179,7 +179,7 @@ def chunk_sm90_vs_portable(device):
                     Result("chunk", name + " v_new", rel_err(r[2], res[0][2]), 4e-3),
                     Result("chunk", name + " o", rel_err(r[0], res[0][0]), 4e-3),
                     Result("chunk", name + " final state", rel_err(p, pools[0]), 4e-3)]
-        for bv in (64, 32):
+        for bv in (128, 64, 32):     # 128: the register-state kernel (hopper._chunk_fused_t_sm90_kernel)
             pool = pool0.clone()
             with override("chunk_fwd", state_sm90_BV=bv, segment_chunks=seg):
                 o, _, aux = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, s["K"] ** -0.5, pool, True, cu,

@@ -3,7 +3,8 @@ pass alone (``_state_pass_sm90_kernel``: h per chunk and v_new to memory, for th
 and the state pass with the output fused in (``_chunk_fused_sm90_kernel``: a second warpgroup computes
 ``o = diag(qf) (q @ h_c) + P @ v_new_c`` of chunk c from hand-off slots in shared memory while the first runs chunk
 c + 1; P and qf come from the prepare kernel; no h / v_new in memory); and that fused pass with the state transposed
-and held in registers on 128-column tiles (``_chunk_fused_t_sm90_kernel``, for grids past one wave).
+and held in registers on 128-column tiles (``_chunk_fused_t_sm90_kernel``, for grids past one wave; a one-warp load
+partition fills its TMA ring and the chunks' gate rows).
 
 Same math, inputs and outputs as the portable ``_chunk_state_kernel`` in its default mode (``v_new`` from Ainv,
 no fused output), for one program per (V tile, value head, segment)::
@@ -399,48 +400,64 @@ if G.AVAILABLE:
 
 
     @gluon.jit
-    def _load_gates_t(gcum, beta, rk_in, qf, row0, t1, eos, tok0, i_b, i_h, i_hv, has_chunk, s_bb, s_bt, s_bh,
-                      H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr):
-        """g_cum, beta, r_k, qf of the chunk at token row0 in ``t1``'s layout (one element per thread; 0 past the
-        sequence) and g_cum of its last valid row (0 without a chunk)."""
-        g, b, rk, g_last = _chunk_gates(gcum, beta, rk_in, row0, t1, eos, tok0, i_b, i_h, i_hv, has_chunk, s_bb,
-                                        s_bt, s_bh, H, HV, USE_L2)
-        rows = row0 + t1
-        f = gl.load(qf + (tok0 + rows) * HV + i_hv, mask=rows < eos, other=0.0)
-        return g, b, rk, f, g_last
-
-    @gluon.jit
-    def _store_gates_t(gt_s, g, b, rk, f, C: gl.constexpr):
-        gt_s.slice(0, C).store(g)
-        gt_s.slice(C, C).store(b)
-        gt_s.slice(2 * C, C).store(rk)
-        gt_s.slice(3 * C, C).store(f)
-
-    @gluon.jit
-    def _issue_stage_loads(k_desc, v_desc, a_desc, q_desc, p_desc, bar, k_buf, v_buf, a_buf, q_buf, p_buf, row, col_k,
-                           col_v, col_a, pred, nbytes: gl.constexpr):
-        """:func:`_issue_chunk_loads` plus the chunk's q [64, K] and P [64, 64] tiles, all on ``bar``."""
-        _issue_chunk_loads(k_desc, v_desc, a_desc, bar, k_buf, v_buf, a_buf, row, col_k, col_v, col_a, pred, nbytes)
-        tma_load(q_desc, [row, col_k], bar, q_buf, pred=pred)
-        tma_load(p_desc, [row, col_a], bar, p_buf, pred=pred)
-
-    @gluon.jit
-    def _t_steps(
+    def _t_loader(
         k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
-        beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx,
-        n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, half,
-        s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HB: gl.constexpr,
-        USE_L2: gl.constexpr, INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
-        STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
-        NS: gl.constexpr, ISSUE: gl.constexpr,
+        beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
+        H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+        USE_L2: gl.constexpr, NS: gl.constexpr,
     ):
-        """One warpgroup's 64 rows (V columns i_v BV + half HB ..) of the register-state chain; ISSUE: this
-        partition also issues the TMA ring (a stage is refilled once both partitions arrived on its ``emp``)."""
+        """The register-state kernel's load partition (one warp): chunk c's k, v, Ainv, q and P tiles by TMA into ring
+        stage c % NS, and its per-row gates into the stage's gate rows ``gt_s[8 (c % NS) + j]`` (fp32 [64] each;
+        j = 0 g_cum, 1 beta, 2 r_k, 3 qf, 4 g_cum of the chunk's last valid row repeated), once both chain partitions
+        have released the stage (``emp``: chunk c - NS done). A stage's ``bars`` barrier completes on two arrivals,
+        the TMA's (with its bytes) and this warp's after the gate stores: the chain partitions neither issue copies
+        nor wait on global loads."""
         C: gl.constexpr = 64
         i_h = i_hv // (HV // H)
         tok0 = i_b * T
         dt: gl.constexpr = k_desc.dtype
+        nbytes: gl.constexpr = (2 * C * K + C * BV + 2 * C * C) * (dt.primitive_bitwidth // 8)
+        col_k = i_h * K
+        col_v = i_hv * V + i_v * BV
+        col_a = i_hv * C
+        lay: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
+        t1 = gl.arange(0, C, layout=lay)
+        for c in range(c_beg, c_end):
+            it = c - c_beg
+            s = it % NS
+            row = tok0 + bos + c * C
+            mbarrier.wait(emp.index(s), ((it // NS) & 1) ^ 1, pred=it >= NS)
+            _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(s), k_s.index(s), v_s.index(s), a_s.index(s), row,
+                               col_k, col_v, col_a, c < c_end, nbytes)
+            tma_load(q_desc, [row, col_k], bars.index(s), q_s.index(s))
+            tma_load(p_desc, [row, col_a], bars.index(s), p_s.index(s))
+            g, b, rk, g_last = _chunk_gates(gcum, beta, rk_in, bos + c * C, t1, eos, tok0, i_b, i_h, i_hv, c < c_end,
+                                            s_bb, s_bt, s_bh, H, HV, USE_L2)
+            gts = s * 8
+            gt_s.index(gts).store(g)
+            gt_s.index(gts + 1).store(b)
+            gt_s.index(gts + 2).store(rk)
+            rows = bos + c * C + t1
+            gt_s.index(gts + 3).store(gl.load(qf + (tok0 + rows) * HV + i_hv, mask=rows < eos, other=0.0))
+            gt_s.index(gts + 4).store(gl.zeros([C], gl.float32, layout=lay) + g_last)
+            cta_barrier()
+            mbarrier.arrive(bars.index(s), count=1)
+
+    @gluon.jit
+    def _t_steps(
+        k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+        n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, half,
+        s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+        HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HB: gl.constexpr,
+        INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
+        STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
+        NS: gl.constexpr,
+    ):
+        """One warpgroup's 64 rows (V columns i_v BV + half HB ..) of the register-state chain; the tiles and gates
+        of chunk c come from ring stage c % NS (filled by ``_t_loader``), released on ``emp`` when done."""
+        C: gl.constexpr = 64
+        tok0 = i_b * T
+        dt: gl.constexpr = k_s.dtype
         m64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
         mK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
         opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=m64, k_width=2)
@@ -457,21 +474,6 @@ if G.AVAILABLE:
             st = gl.load(p0, mask=m_vk & ok0, other=0.0).to(gl.float32)
         else:
             st = gl.zeros([HB, K], gl.float32, layout=mK)
-        nbytes: gl.constexpr = (2 * C * K + C * BV + 2 * C * C) * (dt.primitive_bitwidth // 8)
-        col_k = i_h * K
-        col_v = i_hv * V + i_v * BV
-        col_a = i_hv * C
-        if ISSUE:
-            for j in gl.static_range(NS - 1):
-                _issue_stage_loads(k_desc, v_desc, a_desc, q_desc, p_desc, bars.index(j), k_s.index(j), v_s.index(j),
-                                   a_s.index(j), q_s.index(j), p_s.index(j), tok0 + bos + (c_beg + j) * C, col_k,
-                                   col_v, col_a, c_beg + j < c_end, nbytes)
-        gl1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        t1 = gl.arange(0, C, layout=gl1)
-        g1, b1, r1, f1, gl_n = _load_gates_t(gcum, beta, rk_in, qf, bos + c_beg * C, t1, eos, tok0, i_b, i_h, i_hv,
-                                             c_beg < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
-        _store_gates_t(gt_s, g1, b1, r1, f1, C)
-        cta_barrier()
         keep = n >= 0
         if O_INDEXED:
             oi = gl.load(o_idx + n)
@@ -483,49 +485,39 @@ if G.AVAILABLE:
         for c in range(c_beg, c_end):
             it = c - c_beg
             s = it % NS
-            if ISSUE:
-                sf = (it + NS - 1) % NS
-                # stage sf held chunk c - 1: refilled once both partitions are done with it
-                mbarrier.wait(emp.index(sf), ((it - 1) // NS) & 1, pred=it >= 1)
-                _issue_stage_loads(k_desc, v_desc, a_desc, q_desc, p_desc, bars.index(sf), k_s.index(sf),
-                                   v_s.index(sf), a_s.index(sf), q_s.index(sf), p_s.index(sf),
-                                   tok0 + bos + (c + NS - 1) * C, col_k, col_v, col_a, c + NS - 1 < c_end, nbytes)
-            g_last = gl_n
-            g1, b1, r1, f1, gl_n = _load_gates_t(gcum, beta, rk_in, qf, bos + (c + 1) * C, t1, eos, tok0, i_b, i_h,
-                                                 i_hv, c + 1 < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
             rows = bos + c * C + to
             m = rows < eos
             sa = gl.convert_layout(st.to(dt), opK)
             mbarrier.wait(bars.index(s), (it // NS) & 1)
+            gts = s * 8                     # this stage's gate rows
             qst = warpgroup_mma(sa, q_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             kst = warpgroup_mma(sa, k_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             vt = v_s.index(s).slice(half * HB, HB, dim=1).permute((1, 0)).load(m64)
             qst, kst, sa = warpgroup_mma_wait(0, deps=[qst, kst, sa])
-            # the token vectors are read from gt_s where used (again for dec below), not held: in this layout each
-            # costs 16 registers per thread, and the first build that held them spilled 256 B
-            b_g = gt_s.slice(0, C).load(cols)
-            fk = gl.exp(b_g) * gt_s.slice(2 * C, C).load(cols)
-            rt = gl.where(m[None, :], (vt.to(gl.float32) - kst * fk[None, :]) * gt_s.slice(C, C).load(cols)[None, :],
+            # the token vectors are read from the gate rows where used (again for dec below), not held: in this
+            # layout each costs 16 registers per thread
+            b_g = gt_s.index(gts).load(cols)
+            fk = gl.exp(b_g) * gt_s.index(gts + 2).load(cols)
+            rt = gl.where(m[None, :], (vt.to(gl.float32) - kst * fk[None, :]) * gt_s.index(gts + 1).load(cols)[None, :],
                           0.0)
             ra = gl.convert_layout(rt.to(dt), opA)
             vnt = warpgroup_mma(ra, a_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             vnt, ra = warpgroup_mma_wait(0, deps=[vnt, ra])
             vnt = gl.where(m[None, :], vnt, 0.0)
-            dec = gl.where(m, gl.exp(g_last - gt_s.slice(0, C).load(cols)) * gt_s.slice(2 * C, C).load(cols), 0.0)
+            g_last = gl.max(gt_s.index(gts + 4).load(cols), axis=0)
+            dec = gl.where(m, gl.exp(g_last - gt_s.index(gts).load(cols)) * gt_s.index(gts + 2).load(cols), 0.0)
             da = gl.convert_layout((vnt * dec[None, :]).to(dt), opA)
             va = gl.convert_layout(vnt.to(dt), opA)
             st = warpgroup_mma(da, k_s.index(s), st * gl.exp(g_last), is_async=True)
-            ot = warpgroup_mma(va, p_s.index(s).permute((1, 0)), qst * gt_s.slice(3 * C, C).load(cols)[None, :],
+            ot = warpgroup_mma(va, p_s.index(s).permute((1, 0)), qst * gt_s.index(gts + 3).load(cols)[None, :],
                                is_async=True)
             st, ot, da, va = warpgroup_mma_wait(0, deps=[st, ot, da, va])
-            mbarrier.arrive(emp.index(s), count=1)     # this partition is done with stage s
-            ot = gl.where(keep, ot, 0.0)
+            mbarrier.arrive(emp.index(s), count=1)     # this partition is done with stage s and its gate rows
+            # o^T -> o: rounded to o's dtype before the transposing layout conversion (half its shared-memory bytes)
+            ot = gl.where(keep, ot, 0.0).to(o.dtype.element_ty)
             oo = gl.convert_layout(gl.permute(ot, (1, 0)), ol)
             po = o + ((tok0 + bos + c * C + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
-            gl.store(po, oo.to(o.dtype.element_ty), mask=((bos + c * C + o_t) < eos)[:, None] & (o_v[None, :] < V))
-            cta_barrier()
-            _store_gates_t(gt_s, g1, b1, r1, f1, C)
-            cta_barrier()
+            gl.store(po, oo, mask=((bos + c * C + o_t) < eos)[:, None] & (o_v[None, :] < V))
         if STORE_FINAL:
             row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
             p1 = ht + row1 * s1n + i_hv * s1h + kc[None, :] * s1k + vr[:, None] * s1v
@@ -540,14 +532,15 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
         HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, WREGS: gl.constexpr,
-        num_warps: gl.constexpr,
+        LREGS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """The fused state + output pass with the state transposed and held in registers, over V tile BV = 128 as two
-        warpgroup partitions (``_t_steps``, 64 rows of S^T [BV, K] each) that share one TMA ring (k, v, Ainv, q, P
-        of a chunk; a stage is refilled once both have arrived on its ``emp`` barrier) and run side by side. S^T is
-        the fp32 accumulator of ``S^T += d^T k`` and, rounded, the register A operand of ``S^T k^T`` and
-        ``S^T q^T``; every chained operand is a register A operand, so the chain has no shared-memory round trip,
-        fence or barrier (FlashInfer's sm_90 layout; bench/NOTES.md)::
+        warpgroup partitions (``_t_steps``, 64 rows of S^T [BV, K] each) fed by a one-warp load partition
+        (``_t_loader``: TMA ring of k, v, Ainv, q, P and the gate rows; a stage is refilled once both chain
+        partitions have arrived on its ``emp`` barrier), all three running side by side. S^T is the fp32 accumulator
+        of ``S^T += d^T k`` and, rounded, the register A operand of ``S^T k^T`` and ``S^T q^T``; every chained operand
+        is a register A operand, so the chain has no shared-memory round trip, fence or barrier (FlashInfer's sm_90
+        layout; bench/NOTES.md)::
 
             (k S)^T = S^T k^T;   r^T = (v^T - (k S)^T diag(e^g r_k)) diag(beta);   v_new^T = r^T Ainv^T
             o^T     = (S^T q^T) diag(qf) + v_new^T P^T;   S^T <- e^(g_last) S^T + (v_new^T diag(dec)) k
@@ -567,30 +560,36 @@ if G.AVAILABLE:
         p_s = gl.allocate_shared_memory(dt, [NS, C, C], p_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         emp = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
-        g0_s = gl.allocate_shared_memory(gl.float32, [4 * C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        g1_s = gl.allocate_shared_memory(gl.float32, [4 * C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        gt_s = gl.allocate_shared_memory(gl.float32, [NS * 8, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for j in gl.static_range(NS):
-            mbarrier.init(bars.index(j), count=1)
-            mbarrier.init(emp.index(j), count=2)
+            mbarrier.init(bars.index(j), count=2)      # the TMA's expect-arrive and the gate rows' arrive
+            mbarrier.init(emp.index(j), count=2)       # the two chain partitions
         gl.warp_specialize([
-            (_t_steps, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, g0_s,
-                        beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx,
+            (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
                         n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 0,
-                        s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-                        H, HV, K, V, BV, HB, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
-                        O_INDEXED, NS, True)),
-            (_t_steps, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, g1_s,
-                        beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx,
+                        s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                        HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
+                        O_INDEXED, NS)),
+            (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
                         n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 1,
-                        s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-                        H, HV, K, V, BV, HB, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
-                        O_INDEXED, NS, False)),
-        ], [4], [WREGS])
+                        s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                        HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
+                        O_INDEXED, NS)),
+            (_t_loader, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
+                         beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
+                         H, HV, K, V, BV, USE_L2, NS)),
+        ], [4, 1], [WREGS, LREGS])
 
 
 _GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# register budget of the fused kernel's output partition (``gl.warp_specialize``'s worker_num_regs)
+# register budgets (``gl.warp_specialize``'s worker_num_regs; no spills in the sm_90 builds): the fused kernel's
+# output partition; the register-state kernel's second chain partition and load warp. That kernel's nine warps launch
+# as three warpgroups (the load warp's padded to four) at 65536 / 384 -> 168 registers each, and its default
+# partition then claims 256 (setmaxnreg): the two workers must leave it room, or that claim waits forever
 OUTPUT_PARTITION_REGS = 160
+T_CHAIN_REGS = 216
+T_LOADER_REGS = 32
+assert 256 + T_CHAIN_REGS + T_LOADER_REGS <= 3 * 168, "register-state kernel: partitions exceed the CTA's registers"
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -724,7 +723,7 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
             o_idx if o_idx is not None else h0_idx, segments, cu_seqlens, T, P0, P1, PO, *s_beta, *s0, *s1,
             H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
             H0_INDEXED=H0_INDEXED, STORE_FINAL=ht is not None, HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED,
-            O_INDEXED=o_idx is not None, NS=2, WREGS=248, num_warps=4)
+            O_INDEXED=o_idx is not None, NS=2, WREGS=T_CHAIN_REGS, LREGS=T_LOADER_REGS, num_warps=4)
         return
     # no h store: a descriptor is still an argument (never stored through)
     h_desc = _desc(h_out.view(-1, V), (K, BV), dn) if h_out is not None else q_desc
