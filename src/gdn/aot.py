@@ -323,6 +323,14 @@ def compile_hopper_state_pass(BV=64, NS=2, from_ainv=True, dtype=None, **flags):
     return compile_gluon(m._state_pass_sm90_kernel, args, cx)
 
 
+def _load_warp(BV: int) -> bool:
+    """Whether the fused kernel's launcher gives V tile BV a load warp (the default tuning row's
+    ``state_sm90_load_warp_bv``)."""
+    from .kernels.tuning import ChunkForward
+
+    return BV <= ChunkForward().state_sm90_load_warp_bv
+
+
 def compile_hopper_fused_pass(BV=32, NS=2, dtype=None, **flags):
     """The fused Hopper state + output kernel (gdn.kernels.chunk.hopper) for one configuration."""
     import torch
@@ -346,7 +354,7 @@ def compile_hopper_fused_pass(BV=32, NS=2, dtype=None, **flags):
                 s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3, s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
     cx = dict(H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
               STORE_H=False, STORE_VNEW=False, STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True,
-              NS=NS, OUT_REGS=m.OUTPUT_PARTITION_REGS, num_warps=4)
+              NS=NS, OUT_REGS=m.OUTPUT_PARTITION_REGS, LREGS=m.T_LOADER_REGS, TMA_WARP=_load_warp(BV), num_warps=4)
     cx.update(flags)
     return compile_gluon(m._chunk_fused_sm90_kernel, args, cx)
 
@@ -479,7 +487,8 @@ FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=
                  for (init, vl, seg, idx, l2) in ((1, True, False, True, True), (0, False, False, False, False),
                                                   (1, True, True, False, True))] + \
     [dict(BV=bv, STORE_H=True, STORE_VNEW=True, **f) for bv in (32, 64)
-     for f in (dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False))]
+     for f in (dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False))] + \
+    [dict(BV=32, TMA_WARP=False), dict(BV=64, TMA_WARP=True)]    # the other load-warp choice of each tile
 
 
 FUSED_T_CONFIGS = [dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,
@@ -526,12 +535,14 @@ def _compile_hopper() -> int:
     builds += [("parts", compile_hopper_parts, c) for c in PARTS_CONFIGS]
     builds += [("prepare", compile_hopper_prepare, c) for c in PREPARE_CONFIGS]
     # the warp-specialized kernels' worker register claims (the register-state kernel's fill its registers exactly)
-    ws_regs = {compile_hopper_fused_pass: [m.OUTPUT_PARTITION_REGS],
-               compile_hopper_fused_t_pass: [m.T_CHAIN_REGS, m.T_LOADER_REGS]}
+    def ws_regs(build, cfg):
+        if build is compile_hopper_fused_pass:
+            return [m.OUTPUT_PARTITION_REGS] + ([m.T_LOADER_REGS] if cfg.get("TMA_WARP", _load_warp(cfg["BV"])) else [])
+        return [m.T_CHAIN_REGS, m.T_LOADER_REGS] if build is compile_hopper_fused_t_pass else None
     for name, build, cfg in builds:
         try:
             compiled = build(**cfg)
-            workers = ws_regs.get(build)
+            workers = ws_regs(build, cfg)
             why = register_pool_problem(compiled, workers) if workers else ""
             if why:
                 raise RuntimeError(f"partition registers: {why}")

@@ -60,6 +60,10 @@ class ChunkForward:
     # sm_90: where the Gluon state pass takes the final pass of an ainv-mode forward that needs no h / v_new, compute
     # the output in the same kernel (a second warpgroup; hopper._chunk_fused_sm90_kernel) instead of the output kernel
     state_sm90_fused: bool = True
+    # ... with its TMA ring filled by a one-warp load partition (hopper._tma_loader) instead of the chain partition,
+    # at V tiles up to this (0: never). H100 A/B (bench/results/fwd_t_loader_ab_h100.json): fused kernel at V tile 32
+    # 1x8192 16/32 181-183 -> 171-172 us, 1x32768 691-698 -> 670-678; at V tile 64 (64/64) 1212-1216 -> 1274-1295
+    state_sm90_load_warp_bv: int = 32
     # ... also when the caller keeps h / v_new (training with bwd_save_states, return_chunk_states): the chain stores
     # them as the state pass would (h in the tensor-core dtype; an fp32 h keeps the state pass + output kernel)
     state_sm90_fused_states: bool = True

@@ -2,7 +2,8 @@
 pass alone (``_state_pass_sm90_kernel``: h per chunk and v_new to memory, for the backward and ``return_states``),
 and the state pass with the output fused in (``_chunk_fused_sm90_kernel``: a second warpgroup computes
 ``o = diag(qf) (q @ h_c) + P @ v_new_c`` of chunk c from hand-off slots in shared memory while the first runs chunk
-c + 1; P and qf come from the prepare kernel; no h / v_new in memory); and that fused pass with the state transposed
+c + 1; P and qf come from the prepare kernel; no h / v_new in memory; at V tile 32 a one-warp load partition fills
+its TMA ring); and that fused pass with the state transposed
 and held in registers on 128-column tiles (``_chunk_fused_t_sm90_kernel``, for grids past one wave; a one-warp load
 partition fills its TMA ring and the chunks' gate rows).
 
@@ -116,17 +117,19 @@ if G.AVAILABLE:
     @gluon.jit
     def _state_steps(
         k_desc, v_desc, a_desc, h_desc, beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx,
-        k_s, v_s, a_s, bars, h_s, r_s, d_s, vn_s, ready, free,
+        k_s, v_s, a_s, bars, emp, h_s, r_s, d_s, vn_s, ready, free,
         n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
         s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
         USE_L2: gl.constexpr, INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
         STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
         HT_INDEXED: gl.constexpr, NS: gl.constexpr, FROM_AINV: gl.constexpr, FUSED: gl.constexpr,
+        TMA_WARP: gl.constexpr,
     ):
         """The sequential chain of one (V tile, value head, segment), 4 warps (module docstring, steps 1-4). FUSED:
         the chunk's start state and v_new are handed to the output partition through the 2-deep rings ``h_s`` /
-        ``vn_s`` (``ready`` arrives when a slot is full, ``free`` when the output partition has read it)."""
+        ``vn_s`` (``ready`` arrives when a slot is full, ``free`` when the output partition has read it). TMA_WARP:
+        the ring is filled by a load warp (:func:`_tma_loader`); the chain releases each stage on ``emp``."""
         C: gl.constexpr = 64
         NH: gl.constexpr = h_s.type.shape[0]
         i_h = i_hv // (HV // H)
@@ -155,9 +158,10 @@ if G.AVAILABLE:
         col_v = i_hv * V + i_v * BV
         col_a = i_hv * AC
         # ---- prologue: chunks c_beg .. c_beg + NS - 2 into the ring
-        for j in gl.static_range(NS - 1):
-            _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(j), k_s.index(j), v_s.index(j), a_s.index(j),
-                               tok0 + bos + (c_beg + j) * C, col_k, col_v, col_a, c_beg + j < c_end, nbytes)
+        if not TMA_WARP:
+            for j in gl.static_range(NS - 1):
+                _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(j), k_s.index(j), v_s.index(j), a_s.index(j),
+                                   tok0 + bos + (c_beg + j) * C, col_k, col_v, col_a, c_beg + j < c_end, nbytes)
         # per-row gates of the first chunk
         g_n, b_n, rk_n, gl_n = _chunk_gates(gcum, beta, rk_in, bos + c_beg * C, to, eos, tok0, i_b, i_h, i_hv,
                                             c_beg < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
@@ -169,9 +173,11 @@ if G.AVAILABLE:
             phase = (it // NS) & 1
             slot = it % NH
             # ---- refill the stage consumed one step ago with chunk c + NS - 1
-            sf = (it + NS - 1) % NS
-            _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(sf), k_s.index(sf), v_s.index(sf), a_s.index(sf),
-                               tok0 + bos + (c + NS - 1) * C, col_k, col_v, col_a, c + NS - 1 < c_end, nbytes)
+            if not TMA_WARP:
+                sf = (it + NS - 1) % NS
+                _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(sf), k_s.index(sf), v_s.index(sf),
+                                   a_s.index(sf), tok0 + bos + (c + NS - 1) * C, col_k, col_v, col_a,
+                                   c + NS - 1 < c_end, nbytes)
             # ---- this chunk's gates (loaded one step ahead), then the next chunk's
             rows = bos + c * C + to
             m = rows < eos
@@ -228,6 +234,8 @@ if G.AVAILABLE:
             # ---- 4. h = exp(g_last) h + k^T d
             h = warpgroup_mma(k_s.index(s).permute((1, 0)), d_s, h * gl.exp(g_last), is_async=True)
             h = warpgroup_mma_wait(0, deps=[h])
+            if TMA_WARP:
+                mbarrier.arrive(emp.index(s), count=1)      # stage s free for chunk c + NS
 
         if STORE_H:
             tma.store_wait(0)
@@ -235,6 +243,25 @@ if G.AVAILABLE:
             row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
             p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
             gl.store(p1, h.to(ht.dtype.element_ty), mask=m_kv & ok1)
+
+    @gluon.jit
+    def _tma_loader(k_desc, v_desc, a_desc, k_s, v_s, a_s, bars, emp, i_v, i_hv, i_b, bos, c_beg, c_end, T,
+                    H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
+                    NS: gl.constexpr):
+        """Load warp of the fused kernel (TMA_WARP): chunk c's k, v and Ainv into ring stage c % NS once the chain
+        has released it (``emp``: chunk c - NS done)."""
+        C: gl.constexpr = 64
+        dt: gl.constexpr = k_desc.dtype
+        AC: gl.constexpr = a_desc.block_type.shape[1]
+        nbytes: gl.constexpr = (C * K + C * BV + C * AC) * (dt.primitive_bitwidth // 8)
+        tok0 = i_b * T
+        for c in range(c_beg, c_end):
+            it = c - c_beg
+            s = it % NS
+            mbarrier.wait(emp.index(s), ((it // NS) & 1) ^ 1, pred=it >= NS)
+            _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(s), k_s.index(s), v_s.index(s), a_s.index(s),
+                               tok0 + bos + c * C, (i_hv // (HV // H)) * K, i_hv * V + i_v * BV, i_hv * AC,
+                               c < c_end, nbytes)
 
     @gluon.jit
     def _output_steps(
@@ -331,11 +358,11 @@ if G.AVAILABLE:
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=1)
         _state_steps(k_desc, v_desc, a_desc, h_desc, beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx,
-                     k_s, v_s, a_s, bars, h_s, r_s, d_s, d_s, bars, bars,
+                     k_s, v_s, a_s, bars, bars, h_s, r_s, d_s, d_s, bars, bars,
                      n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
                      s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                      H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW, STORE_FINAL,
-                     HT_BY_SEG, HT_INDEXED, NS, FROM_AINV, False)
+                     HT_BY_SEG, HT_INDEXED, NS, FROM_AINV, False, False)
         for j in gl.static_range(NS):
             mbarrier.invalidate(bars.index(j))
 
@@ -348,7 +375,8 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
-        NS: gl.constexpr, OUT_REGS: gl.constexpr, num_warps: gl.constexpr,
+        NS: gl.constexpr, OUT_REGS: gl.constexpr, LREGS: gl.constexpr, TMA_WARP: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """State pass and output in one kernel: per (V tile, value head, segment) a state partition (the default 4
         warps, :func:`_state_steps`) and an output partition (4 more warps, :func:`_output_steps`) that computes the
@@ -369,6 +397,7 @@ if G.AVAILABLE:
         v_s = gl.allocate_shared_memory(dt, [NS, C, BV], v_desc.layout)
         a_s = gl.allocate_shared_memory(dt, [NS, C, C], a_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        emp = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         q_s = gl.allocate_shared_memory(dt, [2, C, K], q_desc.layout)
         p_s = gl.allocate_shared_memory(dt, [2, C, C], p_desc.layout)
         qbars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -382,21 +411,38 @@ if G.AVAILABLE:
         free = gl.allocate_shared_memory(gl.int64, [NH, 1], mbarrier.MBarrierLayout())
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=1)
+            mbarrier.init(emp.index(j), count=1)
         for j in gl.static_range(2):
             mbarrier.init(qbars.index(j), count=1)
         for j in gl.static_range(NH):
             mbarrier.init(ready.index(j), count=1)
             mbarrier.init(free.index(j), count=1)
-        gl.warp_specialize([
-            (_state_steps, (k_desc, v_desc, a_desc, h_desc, beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx,
-                            k_s, v_s, a_s, bars, h_s, r_s, d_s, vn_s, ready, free,
-                            n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
-                            s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-                            H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW,
-                            STORE_FINAL, HT_BY_SEG, HT_INDEXED, NS, True, True)),
-            (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx,
-                             n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV, O_INDEXED)),
-        ], [4], [OUT_REGS])
+        # TMA_WARP (V tile 32: tuning.chunk_fwd.state_sm90_load_warp_bv): a third partition, one warp, fills the ring
+        # (two calls: Gluon 3.6 builds no partition tuple outside the call)
+        if TMA_WARP:
+            gl.warp_specialize([
+                (_state_steps, (k_desc, v_desc, a_desc, h_desc, beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx,
+                                k_s, v_s, a_s, bars, emp, h_s, r_s, d_s, vn_s, ready, free,
+                                n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
+                                s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                                H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW,
+                                STORE_FINAL, HT_BY_SEG, HT_INDEXED, NS, True, True, True)),
+                (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx,
+                                 n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV, O_INDEXED)),
+                (_tma_loader, (k_desc, v_desc, a_desc, k_s, v_s, a_s, bars, emp, i_v, i_hv, i_b, bos, c_beg, c_end,
+                               T, H, HV, K, V, BV, NS)),
+            ], [4, 1], [OUT_REGS, LREGS])
+        else:
+            gl.warp_specialize([
+                (_state_steps, (k_desc, v_desc, a_desc, h_desc, beta, gcum, rk_in, vnew, h0, ht, h0_idx, ht_idx,
+                                k_s, v_s, a_s, bars, emp, h_s, r_s, d_s, vn_s, ready, free,
+                                n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
+                                s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                                H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW,
+                                STORE_FINAL, HT_BY_SEG, HT_INDEXED, NS, True, True, False)),
+                (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx,
+                                 n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV, O_INDEXED)),
+            ], [4], [OUT_REGS])
 
 
     @gluon.jit
@@ -698,13 +744,14 @@ def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
                       cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
                       H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, h_out=None, vnew=None, chunk_offsets=None,
-                      transposed=False):
+                      transposed=False, load_warp=False):
     """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
     (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs) and the final state;
     h [NT, HV, K, V] (k's dtype, with ``chunk_offsets``) and v_new [B, T, HV, V] only when given. ``o_idx``: the
     pool index whose invalid rows give zero outputs (None: every sequence is valid). Other arguments as
     :func:`launch_state_pass` (ainv mode). ``transposed`` (V tile 128, no h / v_new stores: :func:`transposed_ok`):
-    the register-state kernel ``_chunk_fused_t_sm90_kernel`` instead."""
+    the register-state kernel ``_chunk_fused_t_sm90_kernel`` instead. ``load_warp``: the V tile 32 / 64 kernel's ring
+    filled by a load warp (``_tma_loader``) instead of its chain partition."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
@@ -735,4 +782,4 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
         H0_INDEXED=H0_INDEXED, STORE_H=h_out is not None, STORE_VNEW=vnew is not None, STORE_FINAL=ht is not None,
         HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, O_INDEXED=o_idx is not None, NS=stages,
-        OUT_REGS=OUTPUT_PARTITION_REGS, num_warps=4)
+        OUT_REGS=OUTPUT_PARTITION_REGS, LREGS=T_LOADER_REGS, TMA_WARP=bool(load_warp), num_warps=4)
