@@ -628,14 +628,15 @@ if G.AVAILABLE:
 
 
 _GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# register budgets (``gl.warp_specialize``'s worker_num_regs; no spills in the sm_90 builds): the fused kernel's
-# output partition; the register-state kernel's second chain partition and load warp. That kernel's nine warps launch
-# as three warpgroups (the load warp's padded to four) at 65536 / 384 -> 168 registers each, and its default
-# partition then claims 256 (setmaxnreg): the two workers must leave it room, or that claim waits forever
+# register budgets (``gl.warp_specialize``'s worker_num_regs; no spills in the Triton 3.6 sm_90 builds, 8 B at 216 on
+# 3.9): the fused kernel's output partition; the register-state kernel's second chain partition; the load warp of both
+# (the fused kernel's at V tile 32). Nine warps launch as three warpgroups (the load warp's padded to four) at
+# 65536 / 384 -> 168 registers each, and the default partition then claims 256 (setmaxnreg): the workers must leave it
+# room, or that claim waits forever (gdn.aot checks every build's claims)
 OUTPUT_PARTITION_REGS = 160
 T_CHAIN_REGS = 216
 T_LOADER_REGS = 32
-assert 256 + T_CHAIN_REGS + T_LOADER_REGS <= 3 * 168, "register-state kernel: partitions exceed the CTA's registers"
+assert 256 + max(T_CHAIN_REGS, OUTPUT_PARTITION_REGS) + T_LOADER_REGS <= 3 * 168, "partitions exceed the CTA's registers"
 
 
 def _aligned(t: torch.Tensor) -> bool:
