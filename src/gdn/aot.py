@@ -504,12 +504,12 @@ def register_pool_problem(compiled, worker_regs) -> str:
     on the GPU, so it is caught here, on any machine."""
     import re
 
-    ptx = compiled.asm["ptx"]
-    claims = {int(x) for x in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx)}
+    found = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])
+    claims = {int(n) for _, n in found}
     missing = [r for r in worker_regs if r not in claims]
     if missing:
         return f"no setmaxnreg to {missing} in the PTX (claims {sorted(claims)}): the scheme changed"
-    incs = [int(x) for x in re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)]
+    incs = [int(n) for kind, n in found if kind == "inc"]
     warps = compiled.metadata.num_warps
     groups = warps // 4
     launch = 65536 // (warps * 32) // 8 * 8
