@@ -410,7 +410,13 @@ def test_reverse_pass_plan_sm90(monkeypatch):
     # reverse pass 0.61 ms against 0.86 in portable segments and 1.5 plain)
     assert plan(1, 65536, 8) == (128, 64, True)
     assert plan(1, 32768, 8) == (64, 64, True)
-    assert plan(4, 4096, 32) == (None, 0, False)           # 512 / 256 CTAs: portable, unsegmented
+    # 512 / 256 CTAs at V tile 32 / 64: the whole V per CTA, 128 CTAs (two warpgroups, dv_local in the pass)
+    assert plan(4, 4096, 32) == (None, 128, True)
+    assert plan(8, 2048, 32) == (None, 128, True)          # two waves of 128 CTAs at V tile 128
+    waves = int(tuning.chunk_bwd(dev).dh_sm90_bv128_waves)
+    assert plan(132 * waves // 32 + 1, 256, 32) == (None, 0, False)    # past the waves allowed: portable
+    with tuning.override("chunk_bwd", dh_sm90_bv128_waves=0):
+        assert plan(4, 4096, 32) == (None, 0, False)
     assert plan(1, 8192, 32, segment_chunks=8)[0] == 8 and not plan(1, 8192, 32, segment_chunks=8)[2]
     with tuning.override("chunk_bwd", dh_sm90=False):
         seg, bv, sm90 = plan(1, 32768, 32)
@@ -481,16 +487,29 @@ def _recorded_reverse_pass(monkeypatch, N, L, H, HV, K, plan=None):
     return plan, passes, dvl, others
 
 
-@pytest.mark.parametrize("HV, local", [(32, True), (8, False)])
-def test_dv_local_in_reverse_sm90(monkeypatch, HV, local):
+@pytest.mark.parametrize("N, L, HV, local, bv", [(1, 8192, 32, True, 32), (1, 8192, 8, False, 32),
+                                               (4, 4096, 32, True, 128)])
+def test_dv_local_in_reverse_sm90(monkeypatch, N, L, HV, local, bv):
     """chunk_bwd_dh where the unsegmented sm_90 reverse pass runs (support and device emulated, launches recorded):
     with sequences x value heads >= ``chunk_bwd.dh_sm90_local_min_heads`` the Gluon pass computes dv_local itself
     (``local=True``) and the dv_local kernel is not launched; with fewer heads that kernel runs first and the pass
-    reads its result."""
-    plan, passes, dvl, _ = _recorded_reverse_pass(monkeypatch, 1, 8192, 4, HV, 128)
+    reads its result. Four sequences x 32 value heads: one CTA per (sequence, value head) at V tile 128."""
+    plan, passes, dvl, _ = _recorded_reverse_pass(monkeypatch, N, L, 4, HV, 128)
     assert plan[0] is None
-    assert len(passes) == 1 and passes[0]["local"] is local and passes[0]["HAS_R"]
+    assert len(passes) == 1 and passes[0]["local"] is local and passes[0]["HAS_R"] and passes[0]["BV"] == bv
     assert len(dvl) == (0 if local else 1)
+
+
+def test_reverse_pass_tile_128_needs_local():
+    """The sm_90 reverse pass at V tile 128 exists only in the form that computes dv_local (its shared memory holds
+    no dv_local ring): asked otherwise, ``launch_dh_pass`` raises before building anything."""
+    from gdn.kernels.chunk.backward import hopper
+
+    x = torch.empty(1, 64, 2, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="V tile 128"):
+        hopper.launch_dh_pass((1, 2, 1), x, x, x, None, x, None, None, None, None, None, None, None, None, None,
+                              0.1, 64, H=2, HV=2, K=128, V=128, BV=128, use_l2=False, INIT=0, HAS_R=True,
+                              STORE_STEPS=True, STORE_END=False, END_BY_SEG=False, local=False)
 
 
 def test_segmented_sm90_reverse_reads_dv_local_from_its_kernel(monkeypatch):

@@ -168,7 +168,7 @@ def chunk_backward_reverse_sm90(device):
     end-state gradient and the L2 norm (gates near 1, and strong decay: g in [-8, -2], so e^(cL) underflows and
     e^(-c) would overflow), a batch without either, forced segments (the local, transition and final passes: INIT
     0 / 3 / 2), K = 64 with fp16 operands; GVA (HV = 2 H). The Gluon pass reading dv_local from its kernel, and,
-    unsegmented, computing it itself. Also that the Gluon kernel did run in every case (and did not with it
+    unsegmented, computing it itself, also at V tile 128 (K = 128). Also that the Gluon kernel did run in every case (and did not with it
     switched off)."""
     if not _sm90_gluon_available(device):
         return []
@@ -195,12 +195,16 @@ def chunk_backward_reverse_sm90(device):
         do = torch.randn(B, T, HV, V, device=device).to(dt)
         dht = torch.randn(N, HV, K, V, device=device) if with_dht else None
         res = []
-        # portable; Gluon reading dv_local from its kernel; Gluon computing it (unsegmented plans only)
+        # portable; Gluon reading dv_local from its kernel; Gluon computing it (unsegmented plans only); and at V
+        # tile 128 (two warpgroups; unsegmented, K = 128: forced here, chosen where only it fits one wave)
         modes = (("Gluon off", False, 0), ("Gluon", True, 10 ** 9), ("Gluon, dv_local in the kernel", True, 0))
+        if seg < 0 and K == 128 and V % 128 == 0:
+            modes += (("Gluon V tile 128", True, 0),)
         for mode, sm90, local_min in modes:
+            plan = (None, lambda programs, VC: 128) if mode == "Gluon V tile 128" else None
             with override("chunk_bwd", dh_sm90=sm90, segment_chunks=seg, dh_sm90_local_min_heads=local_min), \
                     _counting_sm90_launches() as calls:
-                res.append(chunk_bwd_dh(x.q, x.k, w, g_cum, do, dht, K ** -0.5, cu, 64, l2, True))
+                res.append(chunk_bwd_dh(x.q, x.k, w, g_cum, do, dht, K ** -0.5, cu, 64, l2, True, plan=plan))
             ran = calls[0] >= (3 if seg > 0 else 1) if sm90 else calls[0] == 0
             out.append(Result("chunk_backward", f"sm90 reverse {name}: {mode} {'as asked' if ran else 'NOT as asked'}",
                               0.0 if ran else float("inf"), 0.0))
@@ -274,10 +278,11 @@ def chunk_backward_target_shapes(device):
     out = []
     prefix = 192
     scale = 128 ** -0.5
-    # the last field: launches of the sm_90 reverse pass (one unsegmented where its grid fits one wave; three, one
-    # per pass of 8 one-wave segments, for few heads over a long sequence; none past one wave: reverse.reverse_plan)
-    for N, L, H, HV, launches9 in ((1, 8192, 16, 32, 1), (1, 32768, 16, 32, 1), (4, 4096, 16, 32, 0),
-                                   (1, 65536, 2, 8, 3), (1, 32768, 64, 64, 1)):
+    # the last field: launches of the sm_90 reverse pass (one unsegmented where its grid fits one wave, or at V tile
+    # 128 in a few waves for several sequences; three, one per pass of 8 one-wave segments, for few heads over a long
+    # sequence: reverse.reverse_plan)
+    for N, L, H, HV, launches9 in ((1, 8192, 16, 32, 1), (1, 32768, 16, 32, 1), (4, 4096, 16, 32, 1),
+                                   (4, 4096, 16, 64, 1), (1, 65536, 2, 8, 3), (1, 32768, 64, 64, 1)):
         T = N * L
         # gates near 1 (g in [-0.02, -0.001]): gradients carried over hundreds of chunks, so the unsegmented sm_90
         # pass and the segmented portable one differ by rounding, not by nothing

@@ -180,6 +180,11 @@ class ChunkBackward:
     # it adds ~0.2-0.6 us to each chunk step of the chain and saves a kernel whose time grows with the heads (H100:
     # a gain from 32 (16/32 1x32768 -2%, 64/64 -7%), a loss at 8 and 16; bench/NOTES.md, "Hopper reverse pass")
     dh_sm90_local_min_heads: int = 24
+    # the unsegmented sm_90 pass at V tile 128 (two warpgroups, K = 128, dv_local in the pass) where tiles 32 / 64 do
+    # not fit one wave, in up to this many waves (0: never). Before: the portable pass + the dv_local kernel. H100,
+    # reverse pass us, portable -> V tile 128: 4x4096 16/32 (1 wave) 640 -> 334, 4x4096 16/64 1234 -> 628, 8x2048
+    # 644 -> 331, 16x1024 653 -> 338, 32x512 671 -> 350, 64x256 (16 waves) 703 -> 373 (bench/NOTES.md, Kept table)
+    dh_sm90_bv128_waves: int = 16
     # sm_90: parts A and B of the per-chunk gradients as one Gluon kernel (gdn.kernels.chunk.backward.hopper_parts:
     # every tile of a (chunk, value head) by TMA once, asynchronous wgmma) where it supports the launch
     parts_sm90: bool = True

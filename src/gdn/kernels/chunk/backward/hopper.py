@@ -1,9 +1,11 @@
 """Hopper (sm_90) form of the backward's reverse pass (``reverse.chunk_bwd_dh_kernel``), written in Gluon on the
-design of the forward's state pass (``..hopper``): one CTA (4 warps) per (V tile, value head, segment), the chunks
+design of the forward's state pass (``..hopper``): one CTA per (V tile, value head, segment), the chunks
 of the segment last to first; k, w, q, dO (and dv_local, unless the kernel computes it: LOCAL) of chunk c - 1 come
 by TMA into a 2-deep shared-memory ring while chunk c computes; the products are asynchronous warpgroup MMAs; G
 (the gradient of the state leaving the chunk, fp32 [K, BV]) stays in registers as the accumulator and leaves
-through a TMA store.
+through a TMA store. V tiles 32 / 64: one warpgroup; 128 (with LOCAL, K = 128: batches of many sequences, where one
+wave of CTAs holds every (sequence, value head) only with the whole V per CTA): two warpgroups, G split by rows and
+the [64, *] products by columns, k / q / w read once per value head.
 
 Per chunk (notation of :mod:`gdn.kernels.chunk.backward`; rows past the sequence's end masked)::
 
@@ -154,15 +156,25 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=1)
 
-        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, BV, 16])
-        rows_l: gl.constexpr = gl.SliceLayout(1, mma)
-        cols_l: gl.constexpr = gl.SliceLayout(0, mma)
-        ok = gl.arange(0, K, layout=rows_l)
-        ov = i_v * BV + gl.arange(0, BV, layout=cols_l)
-        to = gl.arange(0, C, layout=rows_l)
+        if num_warps == 8:
+            # two warpgroups: G [K, BV] split by rows (64 each), the [C, *] products by columns
+            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1],
+                                                          instr_shape=[16, BV, 16])
+            mma_v: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                            instr_shape=[16, BV // 2, 16])
+            mma_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                            instr_shape=[16, C // 2, 16])
+        else:
+            mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, BV, 16])
+            mma_v: gl.constexpr = mma
+            mma_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, C, 16])
+        ok = gl.arange(0, K, layout=gl.SliceLayout(1, mma))
+        ov = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, mma))
         m_kv = (ok[:, None] < K) & (ov[None, :] < V)
-        mma_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        to = gl.arange(0, C, layout=gl.SliceLayout(1, mma_v))          # chunk rows of the [C, BV] tiles
+        ov_c = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, mma_v))
 
         # ---- G entering the last chunk (fp32 registers, the wgmma accumulator layout)
         if INIT == 3:
@@ -195,7 +207,7 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         if LOCAL:
             lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c_end - 1) * C, eos, tok0, i_h, i_hv,
                                               c_end > c_beg, scale, H, HV, USE_L2, num_warps)
-        zero = gl.zeros([C, BV], gl.float32, layout=mma)
+        zero = gl.zeros([C, BV], gl.float32, layout=mma_v)
         for it in range(0, c_end - c_beg):
             c = c_end - 1 - it
             s = it % NS
@@ -226,7 +238,7 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
             g_s.store(gr.to(dt))
             mbarrier.wait(bars.index(s), phase)
             if HAS_R:
-                dov = do_s.index(s).load(mma).to(gl.float32)
+                dov = do_s.index(s).load(mma_v).to(gl.float32)
                 fdo_s.store(gl.where(m[:, None], dov * fq[:, None], 0.0).to(dt))
             fence_async_shared()
             cta_barrier()
@@ -249,15 +261,15 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
                 dv = gl.where(m[:, None], dv, 0.0)
             elif HAS_R:
                 acc = warpgroup_mma(q_s.index(s).permute((1, 0)), fdo_s, acc, is_async=True)
-                dl = dl_s.index(s).load(mma).to(gl.float32)
+                dl = dl_s.index(s).load(mma_v).to(gl.float32)
                 kg = warpgroup_mma_wait(1, deps=[kg])
                 dv = gl.where(m[:, None], kg * fk[:, None] + dl, 0.0)
             else:
                 kg = warpgroup_mma_wait(0, deps=[kg])
                 dv = gl.where(m[:, None], kg * fk[:, None], 0.0)
             if STORE_STEPS:
-                pv = dvn + ((tok0 + rows) * HV + i_hv).to(gl.int64)[:, None] * V + ov[None, :]
-                gl.store(pv, dv.to(dvn.dtype.element_ty), mask=m[:, None] & (ov[None, :] < V))
+                pv = dvn + ((tok0 + rows) * HV + i_hv).to(gl.int64)[:, None] * V + ov_c[None, :]
+                gl.store(pv, dv.to(dvn.dtype.element_ty), mask=m[:, None] & (ov_c[None, :] < V))
             ndv_s.store((-dv).to(dt))
             fence_async_shared()
             cta_barrier()
@@ -298,7 +310,9 @@ def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments
     """Launch the sm_90 reverse pass over ``grid`` = (V // BV, HV, segments) (``supported`` must have said yes);
     arguments and flags as the portable ``chunk_bwd_dh_kernel``'s (``V`` = K for INIT 3). ``local`` (with HAS_R):
     compute dv_local in the kernel instead of reading it from ``dvn`` (the kernel's LOCAL). Unused tensors may be
-    None."""
+    None. V tile 128 (two warpgroups, 201 KB of shared memory at 2 stages) only with ``local``, HAS_R and K = 128."""
+    if BV == 128 and not (local and HAS_R and K == 128):
+        raise ValueError("the reverse pass's V tile 128 needs local, HAS_R and K = 128")
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
@@ -317,7 +331,7 @@ def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments
         xend if xend is not None else ph, segments, cu_seqlens if cu_seqlens is not None else segments, chunk_offsets, float(scale), T,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, INIT=INIT, HAS_R=HAS_R,
         STORE_STEPS=STORE_STEPS, STORE_END=STORE_END, END_BY_SEG=END_BY_SEG, LOCAL=bool(local and HAS_R),
-        NS=stages, num_warps=4)
+        NS=stages, num_warps=8 if BV == 128 else 4)
 
 
 __all__ = ["supported", "launch_dh_pass"]

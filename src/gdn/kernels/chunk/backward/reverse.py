@@ -21,6 +21,7 @@ from ...common import cdiv, l2_rnorm, next_pow2
 from ... import tuning
 from ..plan import (choose_reverse_segment_len, one_wave_segment_len, one_wave_tile, plan_segments,
                     prepare_chunk_indices, segment_count)
+from .. import plan as _plan
 from .common import _acc_dtype, _dot_precision, _mm_dtype, _strides
 from .dv_local import dv_local
 from . import hopper
@@ -271,8 +272,11 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
 
 def reverse_plan(q, k, do, w, state_dtype, ci, HV: int, K: int, V: int, dev, segment_chunks: Optional[int] = None):
     """(chunks per segment or None, ``tile(programs, VC)``) of the reverse pass. ``tile`` gives the V tile (32, then
-    64) of the sm_90 pass for a launch of ``programs`` x (VC / tile) CTAs that fits one wave (one CTA per SM: as the
-    forward's sm_90 state pass, a chunk step slows down when SMs are shared), or 0 (the portable kernel).
+    64; unsegmented with K = 128 and at least ``dh_sm90_local_min_heads`` sequences x value heads, then 128) of the
+    sm_90 pass for a launch of ``programs`` x (VC / tile) CTAs that fits one wave (one CTA per SM: as the forward's
+    sm_90 state pass, a chunk step slows down when SMs are shared), or 0 (the portable kernel). Past one wave the
+    unsegmented pass takes V tile 128 for up to ``chunk_bwd.dh_sm90_bv128_waves`` waves (it holds a whole SM per CTA
+    by its shared memory, so waves do not share SMs).
 
     Segments: forced ones (``segment_chunks`` / ``chunk_bwd.segment_chunks`` > 0) as asked; where
     :func:`choose_reverse_segment_len` would segment, the cheapest of the plain sm_90 pass and one-wave sm_90
@@ -289,6 +293,16 @@ def reverse_plan(q, k, do, w, state_dtype, ci, HV: int, K: int, V: int, dev, seg
     forced = segment_chunks if segment_chunks is not None else cfg.segment_chunks
     if seg is not None and not forced:
         seg = _reverse_segments(ci, HV, K, V, dev, cfg, tile(ci.N * HV, V), seg)
+    waves = int(cfg.dh_sm90_bv128_waves)
+    if seg is None and K == 128 and waves > 0 and ci.N * HV >= int(cfg.dh_sm90_local_min_heads):
+        # unsegmented, many sequences x heads: the whole V per CTA (two warpgroups, dv_local in the pass) where
+        # narrower tiles do not fit one wave, in up to ``waves`` waves
+        def wide(programs: int, VC: int) -> int:
+            bv = one_wave_tile(programs, VC, dev, tiles=(32, 64, 128))
+            if not bv and VC % 128 == 0 and programs * (VC // 128) <= waves * _plan._num_sms(dev):
+                bv = 128
+            return bv
+        return seg, wide
     return seg, tile
 
 
