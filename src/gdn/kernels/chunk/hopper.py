@@ -643,17 +643,21 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
+def _rows2d_ok(x: torch.Tensor) -> bool:
+    """Whether :func:`_rows2d` can view x as TMA rows (the ``supported`` checks: no view is built)."""
+    B, T, Hh, D = x.shape
+    st = x.stride()
+    if st[3] != 1 or st[2] != D or (B > 1 and st[0] != T * st[1]):
+        return False
+    return (st[1] * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+
+
 def _rows2d(x: torch.Tensor) -> Optional[torch.Tensor]:
     """x [B, T, heads, D] (last dim contiguous, heads dense) as a 2-D [B*T, heads*D] strided view, or None."""
+    if not _rows2d_ok(x):
+        return None
     B, T, Hh, D = x.shape
-    if x.stride(3) != 1 or x.stride(2) != D:
-        return None
-    if B > 1 and x.stride(0) != T * x.stride(1):
-        return None
-    row = x.stride(1)
-    if (row * x.element_size()) % 16 != 0 or not _aligned(x):
-        return None
-    return x.as_strided((B * T, Hh * D), (row, 1))
+    return x.as_strided((B * T, Hh * D), (x.stride(1), 1))
 
 
 def supported(k, v, ainv, h_out, vnew, dt, K: int, V: int, init: int, split_h: bool,
@@ -673,7 +677,7 @@ def supported(k, v, ainv, h_out, vnew, dt, K: int, V: int, init: int, split_h: b
         return False
     if ainv.shape[-1] not in (64, K):   # (launched on ainv.contiguous())
         return False
-    return _rows2d(k) is not None and _rows2d(v) is not None
+    return _rows2d_ok(k) and _rows2d_ok(v)
 
 
 @functools.lru_cache(maxsize=None)
@@ -739,7 +743,7 @@ def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
     """Whether the fused state + output kernel can take a launch that the state pass (``supported``) takes in ainv
     mode: q laid out like k (2-D TMA view) and V tile 32 or 64 (shared memory of the two partitions: ~140 KB at BV 32,
     ~180 KB at BV 64, K = 128); V tile 128 is the register-state kernel's (:func:`transposed_ok`)."""
-    return G.AVAILABLE and q.dtype == k.dtype and q.shape == k.shape and BV in (32, 64) and _rows2d(q) is not None
+    return G.AVAILABLE and q.dtype == k.dtype and q.shape == k.shape and BV in (32, 64) and _rows2d_ok(q)
 
 
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,

@@ -28,7 +28,7 @@ import torch
 from .. import _gluon_api as G
 from ..launch import launch
 from ..tuning import capability
-from .hopper import CHUNK, _GL_DT, _desc, _rows2d
+from .hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok
 
 if G.AVAILABLE:
     from .hopper import _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma_load, warpgroup_mma, \
@@ -229,9 +229,9 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
     16-bit k (and q of the same dtype and layout), Ainv stored in that dtype from tf32 solve products, K 64 / 128."""
     if not G.AVAILABLE or capability(k.device) != "sm_90" or k.dtype not in _GL_DT:
         return False
-    if ainv_dtype != k.dtype or solve_precision != "tf32" or K not in (64, 128) or _rows2d(k) is None:
+    if ainv_dtype != k.dtype or solve_precision != "tf32" or K not in (64, 128) or not _rows2d_ok(k):
         return False
-    return q is None or (q.dtype == k.dtype and q.shape == k.shape and _rows2d(q) is not None)
+    return q is None or (q.dtype == k.dtype and q.shape == k.shape and _rows2d_ok(q))
 
 
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,

@@ -33,7 +33,7 @@ import torch
 from ... import _gluon_api as G
 from ...launch import launch
 from ...tuning import capability
-from ..hopper import CHUNK, _GL_DT, _desc, _rows2d
+from ..hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok
 
 if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through the version layer _gluon_api)
     from ..hopper import (_segment_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
@@ -301,7 +301,7 @@ def supported(q, k, do, w, state_dtype, K: int, V: int) -> bool:
         return False
     if not w.is_contiguous() or w.shape[-1] != K:
         return False
-    return all(_rows2d(x) is not None for x in (q, k, do))
+    return _rows2d_ok(q) and _rows2d_ok(k) and _rows2d_ok(do)
 
 
 def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments, chunk_offsets, cu_seqlens, scale,

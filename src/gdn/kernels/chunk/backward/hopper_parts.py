@@ -30,7 +30,7 @@ import torch
 from ... import _gluon_api as G
 from ...launch import launch
 from ...tuning import capability
-from ..hopper import CHUNK, _GL_DT, _desc, _rows2d
+from ..hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok
 
 if G.AVAILABLE:
     from ..hopper import cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma_load, warpgroup_mma, \
@@ -337,7 +337,7 @@ def supported(q, k, v, do, v_new, dvn, ainv, h, gs, K: int, V: int) -> bool:
         return False
     if ainv.shape[-1] != CHUNK or not all(x.is_contiguous() for x in (v_new, dvn, ainv, h, gs)):
         return False
-    return all(_rows2d(x) is not None for x in (q, k, v, do))
+    return _rows2d_ok(q) and _rows2d_ok(k) and _rows2d_ok(v) and _rows2d_ok(do)
 
 
 def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, dk, dv, dbeta, dg, cu_seqlens,
