@@ -403,11 +403,14 @@ def compile_hopper_dh_pass(BV=32, NS=2, dtype=None, K=128, **flags):
     args = dict(k_desc=m._desc(m._rows2d(q), (64, K), dn), w_desc=m._desc(w.view(B * T, -1), (64, K), dn),
                 q_desc=m._desc(m._rows2d(q), (64, K), dn), do_desc=m._desc(m._rows2d(do), (64, BV), dn),
                 dl_desc=m._desc(m._rows2d(do), (64, BV), dn), gs_desc=m._desc(gs.view(-1, V), (K, BV), dn),
-                gcum=f32, rq_in=f32, rk_in=f32, dvn=torch.empty(4, dtype=dt), x0=f32, xend=f32, segments=i32,
+                gcum=f32, rq_in=f32, rk_in=f32, beta=torch.empty(4, dtype=dt), dvn=torch.empty(4, dtype=dt), x0=f32,
+                xend=f32, segments=i32,
                 cu_seqlens=i32, chunk_offsets=i32, scale=0.5, T=T)
     cx = dict(H=H, HV=HV, K=K, V=VC, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, HAS_R=True, STORE_STEPS=True,
-              STORE_END=True, END_BY_SEG=False, LOCAL=False, NS=NS, num_warps=8 if BV == 128 else 4)
+              STORE_END=True, END_BY_SEG=False, LOCAL=False, W_AINV=False, NS=NS, num_warps=8 if BV == 128 else 4)
     cx.update(flags)
+    if cx["W_AINV"]:
+        args["w_desc"] = m._desc(w[..., :64].contiguous().view(B * T, -1), (64, 64), dn)
     return compile_gluon(mb._dh_pass_sm90_kernel, args, cx, num_warps=cx["num_warps"])
 
 
@@ -472,7 +475,7 @@ DH_CONFIGS = [dict(BV=bv, **f) for bv in (32, 64)
     [dict(BV=32, K=64), dict(BV=64, K=64, INIT=3, HAS_R=False, STORE_STEPS=False, END_BY_SEG=True),
      dict(BV=32, dtype="float16"), dict(BV=32, LOCAL=True), dict(BV=64, LOCAL=True),
      dict(BV=64, LOCAL=True, INIT=0, IS_VARLEN=False, USE_L2=False, STORE_END=False),
-     dict(BV=32, K=64, LOCAL=True, dtype="float16"), dict(BV=128, LOCAL=True),
+     dict(BV=32, K=64, LOCAL=True, dtype="float16"), dict(BV=128, LOCAL=True), dict(BV=128, LOCAL=True, W_AINV=True),
      dict(BV=128, LOCAL=True, INIT=0, IS_VARLEN=False, USE_L2=False, STORE_END=False)]
 
 

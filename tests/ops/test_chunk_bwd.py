@@ -525,3 +525,48 @@ def test_segmented_sm90_reverse_reads_dv_local_from_its_kernel(monkeypatch):
     _, passes, dvl, others = _recorded_reverse_pass(monkeypatch, N, L, H, HV, K, plan=(8, lambda programs, VC: 64))
     assert len(dvl) == 1 and len(passes) == 3 and not any(p["local"] for p in passes)
     assert others == [reverse.chunk_bwd_dh_merge_kernel]
+
+
+def test_w_from_ainv_in_reverse_sm90(monkeypatch):
+    """chunk_bwd_dh with w=None (W formed in the pass from Ainv) on an emulated sm_90 device, launches recorded: at
+    V tile 128 (4 x 4096 tokens, 32 value heads; ``reverse.w_in_pass`` says yes) the Gluon pass gets Ainv as its w
+    operand with ``w_ainv`` and beta, and no dv_local kernel runs; where the plan is another tile (1 x 8192), w=None
+    is refused with ValueError before anything is launched, and ``w_in_pass`` says no; switched off, no."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import plan as plan_mod
+    from gdn.kernels.chunk.backward import reverse
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    monkeypatch.setitem(tuning._CAPS, 0, "sm_90")
+    monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
+    monkeypatch.setattr(reverse.hopper, "supported", lambda *a: True)
+    passes, dvl, others = [], [], []
+    monkeypatch.setattr(reverse.hopper, "launch_dh_pass", lambda *a, **kw: passes.append((a, kw)))
+    monkeypatch.setattr(reverse, "dv_local", lambda *a, **kw: dvl.append(a))
+    monkeypatch.setattr(reverse, "launch", lambda kernel, grid, *a, **kw: others.append(kernel))
+    dev = torch.device("cuda", 0)
+    H, HV, K = 4, 32, 128
+    for N, L, ok in ((4, 4096, True), (1, 8192, False)):
+        passes.clear()
+        ci = prepare_chunk_indices(None, L, 64, N, device=torch.device("cpu"))
+        x = torch.empty(1, 1, 1, K, dtype=torch.bfloat16)
+        plan = reverse.reverse_plan(x, x, x, None, torch.bfloat16, ci, HV, K, K, dev)
+        assert reverse.w_in_pass(plan, ci, HV, K, dev) is ok
+        q = torch.randn(N, L, H, K).bfloat16()
+        do = torch.randn(N, L, HV, K).bfloat16()
+        ainv = torch.randn(N, L, HV, 64).bfloat16()
+        beta = torch.rand(N, L, HV)
+        g_cum = torch.randn(N, L, HV)
+        call = lambda: reverse.chunk_bwd_dh(q, q, None, g_cum, do, None, 0.1, None, 64, True, False,   # noqa: E731
+                                            chunk_index=ci, plan=plan, ainv=ainv, beta=beta)
+        if ok:
+            call()
+            (args, kw), = passes
+            assert args[3] is ainv and kw["w_ainv"] and kw["beta"] is beta and kw["BV"] == 128 and kw["local"]
+            assert dvl == []
+        else:
+            with pytest.raises(ValueError, match="W from Ainv"):
+                call()
+            assert passes == []
+        with tuning.override("chunk_bwd", dh_sm90_w_from_ainv=False):
+            assert not reverse.w_in_pass(plan, ci, HV, K, dev)

@@ -168,7 +168,7 @@ def chunk_backward_reverse_sm90(device):
     end-state gradient and the L2 norm (gates near 1, and strong decay: g in [-8, -2], so e^(cL) underflows and
     e^(-c) would overflow), a batch without either, forced segments (the local, transition and final passes: INIT
     0 / 3 / 2), K = 64 with fp16 operands; GVA (HV = 2 H). The Gluon pass reading dv_local from its kernel, and,
-    unsegmented, computing it itself, also at V tile 128 (K = 128). Also that the Gluon kernel did run in every case (and did not with it
+    unsegmented, computing it itself, also at V tile 128 (K = 128), there also forming W from Ainv. Also that the Gluon kernel did run in every case (and did not with it
     switched off)."""
     if not _sm90_gluon_available(device):
         return []
@@ -190,8 +190,8 @@ def chunk_backward_reverse_sm90(device):
         # gates near 1 (g ~ -1e-3): the end-state gradient is carried across every chunk (with the default gates a
         # chunk decays it by ~e^-30, below fp32 resolution, and a wrong carry would go unseen)
         x = make_inputs(B, T, H, HV, K, V, dtype=dt, device=device, g_range=g_range)
-        g_cum, _, w, _ = chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, l2, store_ainv=True, store_wu=True,
-                                           ainv_dtype=dt)
+        g_cum, ainv, w, _ = chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, l2, store_ainv=True, store_wu=True,
+                                              ainv_dtype=dt)
         do = torch.randn(B, T, HV, V, device=device).to(dt)
         dht = torch.randn(N, HV, K, V, device=device) if with_dht else None
         res = []
@@ -199,12 +199,15 @@ def chunk_backward_reverse_sm90(device):
         # tile 128 (two warpgroups; unsegmented, K = 128: forced here, chosen where only it fits one wave)
         modes = (("Gluon off", False, 0), ("Gluon", True, 10 ** 9), ("Gluon, dv_local in the kernel", True, 0))
         if seg < 0 and K == 128 and V % 128 == 0:
-            modes += (("Gluon V tile 128", True, 0),)
+            modes += (("Gluon V tile 128", True, 0), ("Gluon V tile 128, W from Ainv", True, 0))
         for mode, sm90, local_min in modes:
-            plan = (None, lambda programs, VC: 128) if mode == "Gluon V tile 128" else None
+            plan = (None, lambda programs, VC: 128) if "V tile 128" in mode else None
+            w_ainv = "W from Ainv" in mode
             with override("chunk_bwd", dh_sm90=sm90, segment_chunks=seg, dh_sm90_local_min_heads=local_min), \
                     _counting_sm90_launches() as calls:
-                res.append(chunk_bwd_dh(x.q, x.k, w, g_cum, do, dht, K ** -0.5, cu, 64, l2, True, plan=plan))
+                res.append(chunk_bwd_dh(x.q, x.k, None if w_ainv else w, g_cum, do, dht, K ** -0.5, cu, 64, l2, True,
+                                        plan=plan, ainv=ainv if w_ainv else None,
+                                        beta=x.beta.contiguous() if w_ainv else None))
             ran = calls[0] >= (3 if seg > 0 else 1) if sm90 else calls[0] == 0
             out.append(Result("chunk_backward", f"sm90 reverse {name}: {mode} {'as asked' if ran else 'NOT as asked'}",
                               0.0 if ran else float("inf"), 0.0))

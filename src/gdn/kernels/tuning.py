@@ -185,6 +185,10 @@ class ChunkBackward:
     # reverse pass us, portable -> V tile 128: 4x4096 16/32 (1 wave) 640 -> 334, 4x4096 16/64 1234 -> 628, 8x2048
     # 644 -> 331, 16x1024 653 -> 338, 32x512 671 -> 350, 64x256 (16 waves) 703 -> 373 (bench/NOTES.md, Kept table)
     dh_sm90_bv128_waves: int = 16
+    # ... and there W formed in the pass from Ainv (Ainv diag(beta e^c r_k) k, off the chain) instead of read from the
+    # W the backward recomputes in its own kernel first (portable, ~70% of copy bandwidth). H100 fwd + bwd kernel
+    # sums 4x4096 16/32 2.32 -> 2.18 ms, 16/64 4.36 -> 4.15, 16x1024 2.32 -> 2.20 (bench/NOTES.md, Kept table)
+    dh_sm90_w_from_ainv: bool = True
     # sm_90: parts A and B of the per-chunk gradients as one Gluon kernel (gdn.kernels.chunk.backward.hopper_parts:
     # every tile of a (chunk, value head) by TMA once, asynchronous wgmma) where it supports the launch
     parts_sm90: bool = True

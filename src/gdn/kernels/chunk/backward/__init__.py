@@ -93,7 +93,7 @@ from ..plan import prepare_chunk_indices
 from ..prepare import chunk_fwd_prepare, recompute_w_u
 from ..state import chunk_state_pass
 from .parts import chunk_bwd_main
-from .reverse import chunk_bwd_dh, reverse_plan, runs_sm90
+from .reverse import chunk_bwd_dh, reverse_plan, runs_sm90, w_in_pass
 
 
 _SIDE_STREAMS = {}
@@ -115,8 +115,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     [N, HV, K, V]; do [B, T, HV, V]; dht None or [N, HV, K, V]. dq/dk are summed over each q/k head's value heads;
     grads come back in the inputs' dtypes; dh0 is fp32 [N, HV, K, V], or None without initial_state.
 
-    Pipeline: W from the forward's Ainv (``recompute_w_u``; the whole ``chunk_fwd_prepare``, W and U, when ``ainv``
-    is not given) -> the forward state pass (h, v_new from k, v, beta and Ainv as in the forward, or from W and U;
+    Pipeline: W from the forward's Ainv (``recompute_w_u``, or inside the reverse pass where it runs on sm_90 at V
+    tile 128: ``reverse.w_in_pass``; the whole ``chunk_fwd_prepare``, W and U, when ``ainv`` is not given) -> the forward state pass (h, v_new from k, v, beta and Ainv as in the forward, or from W and U;
     on a side CUDA stream) concurrently with ``chunk_bwd_dh`` (dv_local, then the reverse pass; needs only w and
     g_cum) -> ``chunk_bwd_main`` (parts A and B, the q/k kernel).
     Intermediates saved by the forward can be passed in (``g_cum``, ``ainv``, ``w``, ``u``, ``h``, ``v_new``, ``rq``,
@@ -130,15 +130,25 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     dev = q.device
     ci = chunk_index if chunk_index is not None else prepare_chunk_indices(cu_seqlens, T, C, B, device=dev)
     need_h = h is None or v_new is None
+    w_dt = _dot_dtype(k, v)
     if g_cum is None or ainv is None:
         g_cum, ainv, w, u = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, C, l2, store_ainv=True, store_wu=True,
-                                                chunk_index=ci, ainv_dtype=_dot_dtype(k, v))
+                                                chunk_index=ci, ainv_dtype=w_dt)
+        w_dt = w.dtype
     elif w is None:
-        # w only: the forward states are recomputed from k, v, beta and Ainv as the forward computed them (u unused)
-        w, _ = recompute_w_u(k, v, beta, ainv, g_cum, cu_seqlens, C, l2, chunk_index=ci, store_u=False)
-        u = None
+        u = None   # the forward states are recomputed from k, v, beta and Ainv (the forward's form), W below
     h_dtype = h.dtype if h is not None else (torch.float32 if tuning.chunk_fwd(dev).h_dtype == "fp32"
-                                                        else w.dtype)
+                                                        else w_dt)
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    HV, V = v.shape[2], v.shape[3]
+    rplan = reverse_plan(q, k, do, w, h_dtype, ci, HV, K, V, dev, segment_chunks)
+    beta_c = None
+    if w is None:
+        if w_in_pass(rplan, ci, HV, V, dev) and ainv.dtype == k.dtype and ainv.is_contiguous():
+            beta_c = beta.contiguous()     # W formed in the reverse pass from Ainv (no W tensor)
+        else:
+            w, _ = recompute_w_u(k, v, beta, ainv, g_cum, cu_seqlens, C, l2, chunk_index=ci, store_u=False)
 
     if l2:
         rq = l2_rnorm(q) if rq is None else rq
@@ -147,14 +157,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     def state_pass(buffers=None):
         if u is None:   # v_new = Ainv (beta (v - (e^c k_hat) h)), the forward's own form
             return chunk_state_pass(k, None, None, g_cum, initial_state, False, cu_seqlens, C, l2, v=v, beta=beta,
-                                    ainv=ainv, h_dtype=h_dtype, vnew_dtype=w.dtype, chunk_index=ci, rk=rk,
+                                    ainv=ainv, h_dtype=h_dtype, vnew_dtype=w_dt, chunk_index=ci, rk=rk,
                                     buffers=buffers)[:2]
         return chunk_state_pass(k, w, u, g_cum, initial_state, False, cu_seqlens, C, l2, h_dtype=h_dtype,
                                 chunk_index=ci, rk=rk, buffers=buffers)[:2]
 
-    if do.stride(-1) != 1:
-        do = do.contiguous()
-    rplan = reverse_plan(q, k, do, w, h_dtype, ci, v.shape[2], K, v.shape[3], dev, segment_chunks)
     concurrent = need_h and dev.type == "cuda" and tuning.chunk_bwd(dev).concurrent \
         and not torch.cuda.is_current_stream_capturing() \
         and not runs_sm90(rplan, ci, v.shape[2], v.shape[3])
@@ -165,7 +172,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
         # cur waits for it. (With record_stream instead, their frees were deferred and the caching allocator took
         # fresh device memory on every call while the host ran ahead of the GPU.)
         h = _empty(ci.NT, v.shape[2], K, v.shape[3], device=dev, dtype=h_dtype)
-        v_new = _empty(*v.shape, device=dev, dtype=w.dtype)
+        v_new = _empty(*v.shape, device=dev, dtype=w_dt)
         side.wait_stream(cur)
         with torch.cuda.stream(side):
             state_pass((h, v_new))
@@ -173,7 +180,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
         h, v_new = state_pass()
     gs, dvn, dh0 = chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, C, l2, initial_state is not None,
                                 state_dtype=h_dtype, chunk_index=ci, segment_chunks=segment_chunks, rq=rq, rk=rk,
-                                plan=rplan)
+                                plan=rplan, ainv=ainv, beta=beta_c)
     if concurrent:
         cur.wait_stream(side)
     del w, u  # peak memory: not needed by the last kernel

@@ -58,6 +58,19 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         return fk, fq, gl.exp(g_last)
 
     @gluon.jit
+    def _w_factors(gcum, beta, rk_in, row0, tc, eos, tok0, i_h, i_hv, has_chunk,
+                   H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr):
+        """W's column factors ``beta e^c r_k`` of the chunk whose token rows are ``row0 + tc`` (0 past the sequence):
+        W = Ainv diag(beta e^c r_k) k, as the forward's prepare forms it."""
+        rows = row0 + tc
+        m = (rows < eos) & has_chunk
+        f = gl.load(beta + (tok0 + rows) * HV + i_hv, mask=m, other=0.0).to(gl.float32) * \
+            gl.exp(gl.load(gcum + (tok0 + rows) * HV + i_hv, mask=m, other=0.0))
+        if USE_L2:
+            f = f * gl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
+        return f
+
+    @gluon.jit
     def _local_vectors(gcum, rq_in, rk_in, row0, eos, tok0, i_h, i_hv, has_chunk, scale,
                        H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr, num_warps: gl.constexpr):
         """Per-row vectors of dv_local's C x C tile ``(K Q^T)[i, j] e^(c_j - c_i) scale r_k,i r_q,j`` (j >= i) for
@@ -113,15 +126,17 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
     @gluon.jit
     def _dh_pass_sm90_kernel(
         k_desc, w_desc, q_desc, do_desc, dl_desc, gs_desc,
-        gcum, rq_in, rk_in, dvn, x0, xend, segments, cu_seqlens, chunk_offsets, scale, T,
+        gcum, rq_in, rk_in, beta, dvn, x0, xend, segments, cu_seqlens, chunk_offsets, scale, T,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr, HAS_R: gl.constexpr,
         STORE_STEPS: gl.constexpr, STORE_END: gl.constexpr, END_BY_SEG: gl.constexpr, LOCAL: gl.constexpr,
-        NS: gl.constexpr, num_warps: gl.constexpr,
+        W_AINV: gl.constexpr, NS: gl.constexpr, num_warps: gl.constexpr,
     ):
         """The reverse pass of one (V tile, value head, segment) (module docstring); V is the state's column count
         (K for the identity-started transitions). LOCAL (with HAS_R): dv_local is computed here (module docstring)
-        instead of read from ``dvn``, A of chunk c formed in step c."""
+        instead of read from ``dvn``, A of chunk c formed in step c. W_AINV (with LOCAL): ``w_desc`` is Ainv's
+        ([B*T, HV*64], 64 x 64 tiles) and each chunk's W = (Ainv diag(beta e^c r_k)) k is formed here, its product
+        issued after ``A dO`` and waited for after dVn's store (no W tensor, no W kernel)."""
         C: gl.constexpr = 64
         i_v = gl.program_id(0)
         i_hv = gl.program_id(1)
@@ -132,7 +147,12 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         tok0 = i_b * T
         dt: gl.constexpr = k_desc.dtype
         k_s = gl.allocate_shared_memory(dt, [NS, C, K], k_desc.layout)
-        w_s = gl.allocate_shared_memory(dt, [NS, C, K], w_desc.layout)
+        if W_AINV:
+            w_s = gl.allocate_shared_memory(dt, [NS, C, C], w_desc.layout)      # Ainv ring
+            as_s = gl.allocate_shared_memory(dt, [C, C], gl.NVMMASharedLayout.get_default_for([C, C], dt))
+            w1_s = gl.allocate_shared_memory(dt, [C, K], gl.NVMMASharedLayout.get_default_for([C, K], dt))
+        else:
+            w_s = gl.allocate_shared_memory(dt, [NS, C, K], w_desc.layout)
         if HAS_R:
             q_s = gl.allocate_shared_memory(dt, [NS, C, K], q_desc.layout)
             do_s = gl.allocate_shared_memory(dt, [NS, C, BV], do_desc.layout)
@@ -164,12 +184,16 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
                                                             instr_shape=[16, BV // 2, 16])
             mma_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                             instr_shape=[16, C // 2, 16])
+            mma_w: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                            instr_shape=[16, K // 2, 16])
         else:
             mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                           instr_shape=[16, BV, 16])
             mma_v: gl.constexpr = mma
             mma_c: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, C, 16])
+            mma_w: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, K, 16])
         ok = gl.arange(0, K, layout=gl.SliceLayout(1, mma))
         ov = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, mma))
         m_kv = (ok[:, None] < K) & (ov[None, :] < V)
@@ -188,14 +212,20 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
             gr += gl.load(x0 + ((i_s * HV + i_hv) * K + ok[:, None]).to(gl.int64) * V + ov[None, :], mask=m_kv,
                           other=0.0).to(gl.float32)
 
-        if HAS_R and LOCAL:
+        if HAS_R and LOCAL and W_AINV:
+            nbytes: gl.constexpr = (2 * C * K + C * C + C * BV) * (dt.primitive_bitwidth // 8)
+        elif HAS_R and LOCAL:
             nbytes: gl.constexpr = (3 * C * K + C * BV) * (dt.primitive_bitwidth // 8)
         elif HAS_R:
             nbytes: gl.constexpr = (3 * C * K + 2 * C * BV) * (dt.primitive_bitwidth // 8)
         else:
             nbytes: gl.constexpr = 2 * C * K * (dt.primitive_bitwidth // 8)
         col_k = i_h * K
-        col_w = i_hv * K
+        if W_AINV:
+            col_w = i_hv * C
+        else:
+            col_w = i_hv * K
+        tc_c = gl.arange(0, C, layout=gl.SliceLayout(0, mma_c))      # Ainv's columns
         col_v = i_hv * V + i_v * BV
         # ---- prologue: chunks c_end - 1 .. c_end - NS + 1 into the ring
         for j in gl.static_range(NS - 1):
@@ -207,6 +237,9 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         if LOCAL:
             lc_n, lr_n, lq_n = _local_vectors(gcum, rq_in, rk_in, bos + (c_end - 1) * C, eos, tok0, i_h, i_hv,
                                               c_end > c_beg, scale, H, HV, USE_L2, num_warps)
+        if W_AINV:
+            fw_n = _w_factors(gcum, beta, rk_in, bos + (c_end - 1) * C, tc_c, eos, tok0, i_h, i_hv, c_end > c_beg,
+                              H, HV, USE_L2)
         zero = gl.zeros([C, BV], gl.float32, layout=mma_v)
         for it in range(0, c_end - c_beg):
             c = c_end - 1 - it
@@ -223,6 +256,10 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
             e_last = el_n
             fk_n, fq_n, el_n = _rev_gates(gcum, rq_in, rk_in, bos + (c - 1) * C, to, eos, tok0, i_h, i_hv,
                                           c > c_beg, scale, H, HV, USE_L2)
+            if W_AINV:
+                fw = fw_n
+                fw_n = _w_factors(gcum, beta, rk_in, bos + (c - 1) * C, tc_c, eos, tok0, i_h, i_hv, c > c_beg,
+                                  H, HV, USE_L2)
             if LOCAL:
                 # this chunk's vectors into rv_s (its last readers, the previous step's, are past two barriers);
                 # visible to every warp after the barrier in front of k @ G
@@ -251,13 +288,22 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
                 # accumulated onto the k @ G term; q^T (fq dO) issued after it (not needed before w^T dVn)
                 kq = warpgroup_mma(k_s.index(s), q_s.index(s).permute((1, 0)),
                                    gl.zeros([C, C], gl.float32, layout=mma_c), use_acc=False, is_async=True)
+                if W_AINV:
+                    # Ainv diag(beta e^c r_k), W's A operand, while k @ G and k q^T run (its last reader, the
+                    # previous step's W product, was waited for); visible to the async proxy after the next barrier
+                    as_s.store((w_s.index(s).load(mma_c).to(gl.float32) * fw[None, :]).to(dt))
                 kg, kq = warpgroup_mma_wait(0, deps=[kg, kq])
                 a_s.store(_form_a(kq, rv_s, eos - (bos + c * C), C, mma_c).to(dt))
                 fence_async_shared()
                 cta_barrier()
                 dv = warpgroup_mma(a_s, do_s.index(s), kg * fk[:, None], is_async=True)
                 acc = warpgroup_mma(q_s.index(s).permute((1, 0)), fdo_s, acc, is_async=True)
-                dv = warpgroup_mma_wait(1, deps=[dv])
+                if W_AINV:
+                    wm = warpgroup_mma(as_s, k_s.index(s), gl.zeros([C, K], gl.float32, layout=mma_w),
+                                       use_acc=False, is_async=True)
+                    dv = warpgroup_mma_wait(2, deps=[dv])
+                else:
+                    dv = warpgroup_mma_wait(1, deps=[dv])
                 dv = gl.where(m[:, None], dv, 0.0)
             elif HAS_R:
                 acc = warpgroup_mma(q_s.index(s).permute((1, 0)), fdo_s, acc, is_async=True)
@@ -271,10 +317,16 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
                 pv = dvn + ((tok0 + rows) * HV + i_hv).to(gl.int64)[:, None] * V + ov_c[None, :]
                 gl.store(pv, dv.to(dvn.dtype.element_ty), mask=m[:, None] & (ov_c[None, :] < V))
             ndv_s.store((-dv).to(dt))
+            if W_AINV:
+                wm = warpgroup_mma_wait(0, deps=[wm])
+                w1_s.store(wm.to(dt))
             fence_async_shared()
             cta_barrier()
             # ---- G = e^cL G + q^T (fq dO) - w^T dVn
-            acc = warpgroup_mma(w_s.index(s).permute((1, 0)), ndv_s, acc, is_async=True)
+            if W_AINV:
+                acc = warpgroup_mma(w1_s.permute((1, 0)), ndv_s, acc, is_async=True)
+            else:
+                acc = warpgroup_mma(w_s.index(s).permute((1, 0)), ndv_s, acc, is_async=True)
             gr = warpgroup_mma_wait(0, deps=[acc])
 
         if STORE_STEPS:
@@ -293,30 +345,36 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
 def supported(q, k, do, w, state_dtype, K: int, V: int) -> bool:
     """Whether the sm_90 reverse pass can take these arguments (else the portable kernel does): Gluon, sm_90, 16-bit
     operands of one dtype (q, k, dO, w and the gs / dvn it writes: ``state_dtype``, w's dtype), K 64 / 128, V a
-    multiple of 32 (its V tiles: 32 / 64), q / k / dO as 2-D TMA views, w contiguous."""
+    multiple of 32 (its V tiles: 32 / 64), q / k / dO as 2-D TMA views, w contiguous (w None: W formed in the pass
+    from Ainv, whose checks are the caller's)."""
     if not G.AVAILABLE or K not in (64, 128) or V % 32 or capability(k.device) != "sm_90":
         return False
     dt = k.dtype
-    if dt not in _GL_DT or any(x.dtype != dt for x in (q, w, do)) or state_dtype != dt:
+    if dt not in _GL_DT or any(x.dtype != dt for x in (q, do)) or state_dtype != dt:
         return False
-    if not w.is_contiguous() or w.shape[-1] != K:
+    if w is not None and (w.dtype != dt or not w.is_contiguous() or w.shape[-1] != K):
         return False
     return _rows2d_ok(q) and _rows2d_ok(k) and _rows2d_ok(do)
 
 
 def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments, chunk_offsets, cu_seqlens, scale,
                    T, *, H, HV, K, V, BV, use_l2, INIT, HAS_R, STORE_STEPS, STORE_END, END_BY_SEG, local=False,
-                   stages=2):
+                   stages=2, w_ainv=False, beta=None):
     """Launch the sm_90 reverse pass over ``grid`` = (V // BV, HV, segments) (``supported`` must have said yes);
     arguments and flags as the portable ``chunk_bwd_dh_kernel``'s (``V`` = K for INIT 3). ``local`` (with HAS_R):
     compute dv_local in the kernel instead of reading it from ``dvn`` (the kernel's LOCAL). Unused tensors may be
-    None. V tile 128 (two warpgroups, 201 KB of shared memory at 2 stages) only with ``local``, HAS_R and K = 128."""
+    None. V tile 128 (two warpgroups, 206 KB of shared memory at 2 stages) only with ``local``, HAS_R and K = 128.
+    ``w_ainv``: ``w`` is Ainv [B, T, HV, 64] (contiguous, the operands' dtype) and W is formed in the pass from it,
+    ``beta`` [B, T, HV] (contiguous), g_cum and r_k (V tile 128 only)."""
     if BV == 128 and not (local and HAS_R and K == 128):
         raise ValueError("the reverse pass's V tile 128 needs local, HAS_R and K = 128")
+    if w_ainv and (BV != 128 or beta is None or w.shape[-1] != CHUNK or not w.is_contiguous()
+                   or not beta.is_contiguous()):
+        raise ValueError("the reverse pass forms W from Ainv only at V tile 128, with contiguous Ainv and beta")
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
-    w_desc = _desc(w.view(B * T, -1), (CHUNK, K), dn)
+    w_desc = _desc(w.view(B * T, -1), (CHUNK, CHUNK if w_ainv else K), dn)
     if HAS_R:
         q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
         do_desc = _desc(_rows2d(do), (CHUNK, BV), dn)
@@ -327,11 +385,12 @@ def launch_dh_pass(grid, q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments
     ph = g_cum
     launch(_dh_pass_sm90_kernel, grid,
         k_desc, w_desc, q_desc, do_desc, dl_desc, gs_desc,
-        g_cum, rq if rq is not None else ph, rk if rk is not None else ph, dvn, x0 if x0 is not None else ph,
+        g_cum, rq if rq is not None else ph, rk if rk is not None else ph, beta if w_ainv else ph, dvn,
+        x0 if x0 is not None else ph,
         xend if xend is not None else ph, segments, cu_seqlens if cu_seqlens is not None else segments, chunk_offsets, float(scale), T,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, INIT=INIT, HAS_R=HAS_R,
         STORE_STEPS=STORE_STEPS, STORE_END=STORE_END, END_BY_SEG=END_BY_SEG, LOCAL=bool(local and HAS_R),
-        NS=stages, num_warps=8 if BV == 128 else 4)
+        W_AINV=bool(w_ainv), NS=stages, num_warps=8 if BV == 128 else 4)
 
 
 __all__ = ["supported", "launch_dh_pass"]

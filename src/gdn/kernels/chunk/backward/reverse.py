@@ -185,7 +185,7 @@ def _dh_config(V: int, device):
 
 def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, need_dh0,
                  state_dtype=None, chunk_index=None, segment_chunks: Optional[int] = None, rq=None, rk=None,
-                 plan=None):
+                 plan=None, ainv=None, beta=None):
     """Reverse state-gradient pass (dv_local, then the reverse pass; the unsegmented sm_90 pass computes dv_local
     itself).
 
@@ -196,16 +196,19 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     ``segment_chunks``: None heuristic, -1 never, n > 0 split every sequence into segments of n chunks that run in
     parallel (local pass + K x K transitions, a short sequential merge, then the final pass).
     ``plan``: :func:`reverse_plan` of these arguments when the caller has it already.
+    ``w`` None: W is formed inside the sm_90 pass from ``ainv`` [B, T, HV, 64] and ``beta`` [B, T, HV] (both
+    contiguous; only where the plan runs the unsegmented pass at V tile 128: :func:`w_in_pass`).
     """
     B, T, H, K = q.shape
     HV, V = do.shape[2], do.shape[3]
     C = int(chunk_size)
     dev = q.device
     ci = chunk_index if chunk_index is not None else prepare_chunk_indices(cu_seqlens, T, C, B, device=dev)
-    sdt = state_dtype or w.dtype
+    wdt = w.dtype if w is not None else ainv.dtype
+    sdt = state_dtype or wdt
     acc_t = torch.float64 if q.dtype == torch.float64 else torch.float32
     gs = torch.empty(ci.NT, HV, K, V, dtype=sdt, device=dev)
-    dvn = torch.empty(B, T, HV, V, dtype=w.dtype, device=dev)
+    dvn = torch.empty(B, T, HV, V, dtype=wdt, device=dev)
     dh0 = torch.empty(ci.N, HV, K, V, dtype=acc_t, device=dev) if need_dh0 else None
     if ci.N == 0 or HV == 0:
         return gs, dvn, dh0
@@ -219,7 +222,7 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
         rq, rk = l2_rnorm(q), l2_rnorm(k)
     BK = max(16, next_pow2(K))
     meta = dict(H=H, HV=HV, K=K, C=C, BK=BK, VARLEN=cu_seqlens is not None, L2NORM=l2, ACC=_acc_dtype(q.dtype),
-                MM=_mm_dtype(w.dtype), PREC=_dot_precision(w.dtype, dev))
+                MM=_mm_dtype(wdt), PREC=_dot_precision(wdt, dev))
     args = (cu_seqlens, float(scale), T, *_strides(q), *_strides(k), *_strides(do))
     BV, nw, ns = _dh_config(V, dev)
     plan = plan if plan is not None else reverse_plan(q, k, do, w, sdt, ci, HV, K, V, dev, segment_chunks)
@@ -228,6 +231,8 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     # (chunk_bwd.dh_sm90_local_min_heads); otherwise its own kernel writes it into dvn first
     cfg = tuning.chunk_bwd(dev)
     local = seg is None and runs_sm90(plan, ci, HV, V) and ci.N * HV >= int(cfg.dh_sm90_local_min_heads)
+    if w is None and not (local and sm90(ci.N * HV, V) == 128):
+        raise ValueError("chunk_bwd_dh: w=None (W from Ainv) needs the unsegmented sm_90 pass at V tile 128")
     if not local:
         dv_local(q, k, g_cum, do, rq, rk, dvn, ci, cu_seqlens, args[1], T, args[3:], meta)
     segs = plan_segments(ci, seg, dev)
@@ -240,9 +245,10 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
         where its grid fits one wave, else the portable kernel."""
         bv9 = sm90(S * HV, VC)
         if bv9:
-            hopper.launch_dh_pass((VC // bv9, HV, S), q, k, w, g_cum, do, rq, rk, x0, xend, gs, dvn, segments,
-                                  ci.chunk_offsets, cu_seqlens, scale, T, H=H, HV=HV, K=K, V=VC, BV=bv9, use_l2=l2,
-                                  local=local, stages=stages9, **flags)
+            hopper.launch_dh_pass((VC // bv9, HV, S), q, k, w if w is not None else ainv, g_cum, do, rq, rk, x0, xend,
+                                  gs, dvn, segments, ci.chunk_offsets, cu_seqlens, scale, T, H=H, HV=HV, K=K, V=VC,
+                                  BV=bv9, use_l2=l2, local=local, stages=stages9, w_ainv=w is None, beta=beta,
+                                  **flags)
             return
         bv = BV if VC == V else min(BV, BK)
         launch(chunk_bwd_dh_kernel, (cdiv(VC, bv), HV, S),
@@ -347,6 +353,15 @@ def _reverse_segments_uncached(ci, HV: int, K: int, V: int, dev, cfg, plain_bv: 
     return best[1] if best is not None and best[0] < float(cfg.dh_sm90_segment_gain) * plain else None
 
 
+def w_in_pass(plan, ci, HV: int, V: int, dev) -> bool:
+    """Whether the backward lets the reverse pass form W from Ainv (no W recompute kernel, no W tensor): the plan
+    runs the unsegmented sm_90 pass at V tile 128 with dv_local in it, and ``chunk_bwd.dh_sm90_w_from_ainv``."""
+    cfg = tuning.chunk_bwd(dev)
+    seg, tile = plan
+    return bool(cfg.dh_sm90_w_from_ainv) and seg is None and tile(ci.N * HV, V) == 128 \
+        and ci.N * HV >= int(cfg.dh_sm90_local_min_heads)
+
+
 def _no_tile(programs: int, VC: int) -> int:
     return 0
 
@@ -358,4 +373,4 @@ def runs_sm90(plan, ci, HV: int, V: int) -> bool:
     return bool(tile((ci.N if seg is None else segment_count(ci, seg)) * HV, V))
 
 
-__all__ = ["chunk_bwd_dh", "reverse_plan", "runs_sm90"]
+__all__ = ["chunk_bwd_dh", "reverse_plan", "runs_sm90", "w_in_pass"]
