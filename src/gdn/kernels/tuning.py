@@ -40,8 +40,9 @@ class ChunkForward:
     solve_precision: str = "auto"
     # precision of dots whose operands are fp32 (fp32 inputs / fp32 intermediates)
     fp32_dot_precision: str = "tf32x3"
-    # sequential state pass: V tile of the state (0 = automatic: 64 for K <= 128, else 32); state_stages 3 is pending
-    # GPU A/B (sm_90 builds: 2 stages issue chunk c+1's copies after chunk c's last product, 3 give a one-chunk lead)
+    # sequential state pass: V tile of the state (0 = automatic: 64 for K <= 128, else 32); state_stages: 3 on sm_90
+    # (its builds issue chunk c+1's copies after chunk c's last product at 2 stages; 3 give a one-chunk lead: H100, the
+    # segmented forward's local pass at 1x65536 2/8 307 -> 255 us, forward 0.797 -> 0.743 ms; the "sm_90" row below)
     state_BV: int = 0
     state_warps: int = 4
     state_stages: int = 2
@@ -228,7 +229,7 @@ class DecodeStep:
 # the tables: {capability: row} or {(capability, shape class): row}
 # ----------------------------------------------------------------------------------------------------------------------
 TABLES: Dict[str, dict] = {
-    "chunk_fwd": {"default": ChunkForward()},
+    "chunk_fwd": {"default": ChunkForward(), "sm_90": ChunkForward(state_stages=3)},
     "chunk_bwd": {"default": ChunkBackward()},
     # H200 sweeps at K = V = 128 (bench/NOTES.md, decode): shape classes by N * HV and state bytes
     "decode": {
