@@ -168,8 +168,8 @@ def chunk_backward_reverse_sm90(device):
     end-state gradient and the L2 norm (gates near 1, and strong decay: g in [-8, -2], so e^(cL) underflows and
     e^(-c) would overflow), a batch without either, forced segments (the local, transition and final passes: INIT
     0 / 3 / 2), K = 64 with fp16 operands; GVA (HV = 2 H). The Gluon pass reading dv_local from its kernel, and,
-    unsegmented, computing it itself, also at V tile 128 (K = 128), there also forming W from Ainv. Also that the Gluon kernel did run in every case (and did not with it
-    switched off)."""
+    unsegmented, computing it itself, also at V tile 128 (K = 128), there also forming W from Ainv. Also that the
+    Gluon kernel did run in every case (and did not with it switched off)."""
     if not _sm90_gluon_available(device):
         return []
     from ..kernels.chunk.backward.reverse import chunk_bwd_dh

@@ -116,9 +116,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     grads come back in the inputs' dtypes; dh0 is fp32 [N, HV, K, V], or None without initial_state.
 
     Pipeline: W from the forward's Ainv (``recompute_w_u``, or inside the reverse pass where it runs on sm_90 at V
-    tile 128: ``reverse.w_in_pass``; the whole ``chunk_fwd_prepare``, W and U, when ``ainv`` is not given) -> the forward state pass (h, v_new from k, v, beta and Ainv as in the forward, or from W and U;
-    on a side CUDA stream) concurrently with ``chunk_bwd_dh`` (dv_local, then the reverse pass; needs only w and
-    g_cum) -> ``chunk_bwd_main`` (parts A and B, the q/k kernel).
+    tile 128: ``reverse.w_in_pass``; the whole ``chunk_fwd_prepare``, W and U, when ``ainv`` is not given) -> the
+    forward state pass (h, v_new from k, v, beta and Ainv as in the forward, or from W and U; on a side CUDA stream)
+    concurrently with ``chunk_bwd_dh`` (dv_local, then the reverse pass; needs only w and g_cum) ->
+    ``chunk_bwd_main`` (parts A and B, the q/k kernel).
     Intermediates saved by the forward can be passed in (``g_cum``, ``ainv``, ``w``, ``u``, ``h``, ``v_new``, ``rq``,
     ``rk``, as returned by gdn.kernels.chunk.forward) to skip their recomputation.
     ``segment_chunks``: reverse-pass segmentation (None heuristic, -1 off, n chunks per segment).
@@ -164,14 +165,14 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
 
     concurrent = need_h and dev.type == "cuda" and tuning.chunk_bwd(dev).concurrent \
         and not torch.cuda.is_current_stream_capturing() \
-        and not runs_sm90(rplan, ci, v.shape[2], v.shape[3])
+        and not runs_sm90(rplan, ci, HV, V)
     if concurrent:
         cur = torch.cuda.current_stream(dev)
         side = _side_stream(dev)
         # h and v_new are allocated here, on the stream that reads and frees them; the side stream writes them before
         # cur waits for it. (With record_stream instead, their frees were deferred and the caching allocator took
         # fresh device memory on every call while the host ran ahead of the GPU.)
-        h = _empty(ci.NT, v.shape[2], K, v.shape[3], device=dev, dtype=h_dtype)
+        h = _empty(ci.NT, HV, K, V, device=dev, dtype=h_dtype)
         v_new = _empty(*v.shape, device=dev, dtype=w_dt)
         side.wait_stream(cur)
         with torch.cuda.stream(side):

@@ -313,19 +313,12 @@ def reverse_plan(q, k, do, w, state_dtype, ci, HV: int, K: int, V: int, dev, seg
 
 
 def _reverse_segments(ci, HV: int, K: int, V: int, dev, cfg, plain_bv: int, portable_seg: int) -> Optional[int]:
-    """:func:`_reverse_segments_uncached`, memoised per (chunk table, heads, sizes, device, tuning row, SM count):
-    its segment counts walk every sequence (~15 us of host time per backward on a GPU machine's CPU)."""
-    key = (id(ci), HV, K, V, dev, id(cfg), plain_bv, portable_seg, _plan._num_sms(dev))
-    hit = _SEGMENT_PLANS.get(key)
-    if hit is None:
-        if len(_SEGMENT_PLANS) >= 64:
-            _SEGMENT_PLANS.pop(next(iter(_SEGMENT_PLANS)))
-        hit = _SEGMENT_PLANS[key] = (ci, cfg, _reverse_segments_uncached(ci, HV, K, V, dev, cfg, plain_bv,
-                                                                          portable_seg))
-    return hit[2]
-
-
-_SEGMENT_PLANS: dict = {}
+    """:func:`_reverse_segments_uncached`, memoised in the planner's cache (:func:`plan._cached`) per (chunk table,
+    heads, sizes, device, tuning row, SM count): its segment counts walk every sequence (~15 us of host time per
+    backward on a GPU machine's CPU). The entry holds ci and cfg, so their ids stay theirs while it lives."""
+    key = ("reverse_segments", id(ci), HV, K, V, str(dev), id(cfg), plain_bv, portable_seg, _plan._num_sms(dev))
+    return _plan._cached(key, lambda: (ci, cfg, _reverse_segments_uncached(ci, HV, K, V, dev, cfg, plain_bv,
+                                                                             portable_seg)))[2]
 
 
 def _reverse_segments_uncached(ci, HV: int, K: int, V: int, dev, cfg, plain_bv: int,
