@@ -450,17 +450,20 @@ def compile_hopper_prepare(K=128, dtype=None, maxnreg=None, **flags):
     f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
     row = m._desc(m._rows2d(x), (64, K), m._GL_DT[dt])
     args = dict(k_desc=row, q_desc=row, g=f32, beta=torch.empty(4, dtype=dt), gcum=f32, ainv=torch.empty(4, dtype=dt),
-                rk_out=f32, rq_out=f32, p_out=torch.empty(4, dtype=dt), qf_out=f32, chunk_indices=i32,
+                rk_out=f32, rq_out=f32, p_out=torch.empty(4, dtype=dt), qf_out=f32, w_out=torch.empty(4, dtype=dt),
+                chunk_indices=i32,
                 cu_seqlens=i32, T=T,
                 scale=0.5, s_gb=T * HV, s_gt=HV, s_gh=1, s_bb=T * HV, s_bt=HV, s_bh=1)
-    cx = dict(H=H, HV=HV, K=K, USE_L2=True, IS_VARLEN=True, STORE_RK=True, STORE_P=True, STORE_RQ=True, num_warps=4)
+    cx = dict(H=H, HV=HV, K=K, USE_L2=True, IS_VARLEN=True, STORE_RK=True, STORE_P=True, STORE_RQ=True, STORE_W=False,
+              num_warps=4)
     cx.update(flags)
     return compile_gluon(mp._chunk_prepare_sm90_kernel, args, cx, options={"maxnreg": maxnreg} if maxnreg else None)
 
 
 PREPARE_CONFIGS = [dict(maxnreg=r, **f) for r in (None, 168)
                    for f in (dict(), dict(STORE_P=False), dict(USE_L2=False, IS_VARLEN=False, STORE_RK=False),
-                             dict(K=64), dict(dtype="float16", H=4))]
+                             dict(K=64), dict(dtype="float16", H=4))] + \
+    [dict(maxnreg=168, STORE_W=True), dict(maxnreg=168, STORE_W=True, K=64)]     # the training forward's (W stored)
 
 
 PARTS_CONFIGS = [dict(), dict(USE_L2=False, IS_VARLEN=False), dict(K=64), dict(dtype="float16"),

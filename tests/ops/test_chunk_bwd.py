@@ -570,3 +570,58 @@ def test_w_from_ainv_in_reverse_sm90(monkeypatch):
             assert passes == []
         with tuning.override("chunk_bwd", dh_sm90_w_from_ainv=False):
             assert not reverse.w_in_pass(plan, ci, HV, K, dev)
+
+
+def test_backward_takes_w_from_the_forward():
+    """The backward given the forward's g_cum / Ainv and a W (as the sm_90 prepare stores it for training:
+    ``chunk_bwd.w_from_forward``) reads that W instead of recomputing it: with the recompute's own W it is bitwise
+    the backward that recomputes, and a W off by a factor moves the gradients (so the argument is used)."""
+    from gdn.kernels.chunk import chunk_fwd_prepare, prepare_chunk_indices, recompute_w_u
+    from gdn.kernels.chunk.backward import chunk_gated_delta_rule_bwd
+
+    lens = [0, 1, 63, 65, 135]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    T = int(cu[-1])
+    x, h0, do, dht = _inputs(1, T, 1, 2, 16, 16, N=len(lens))
+    ci = prepare_chunk_indices(cu, T, 64, 1)
+    g_cum, ainv, _, _ = chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False, chunk_index=ci)
+    w = recompute_w_u(x.k, x.v, x.beta, ainv, g_cum, cu, 64, True, chunk_index=ci, store_u=False)[0]
+
+    def bwd(**kw):
+        return chunk_gated_delta_rule_bwd(x.q, x.k, x.v, x.g, x.beta, 0.25, h0, cu, 64, True, do, dht, g_cum=g_cum,
+                                          ainv=ainv, chunk_index=ci, **kw)
+
+    base = bwd()
+    for a, b in zip(bwd(w=w.clone()), base):
+        assert torch.equal(a, b)
+    moved = bwd(w=w * 1.5)
+    assert any(not torch.allclose(a, b) for a, b in zip(moved, base))
+
+
+def test_forward_w_dispatch_sm90(monkeypatch):
+    """``wants_forward_w`` on an emulated sm_90 device (132 SMs): the training forward's prepare stores W where the
+    reverse pass reads it (one sequence of 32 value heads: V tile 32), not where the pass forms W from Ainv itself
+    (4 x 4096 tokens: V tile 128, ``reverse.w_in_pass``), nor with ``chunk_bwd.w_from_forward`` off, nor on CPU."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import plan as plan_mod
+    from gdn.kernels.chunk.backward import reverse, wants_forward_w
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    monkeypatch.setitem(tuning._CAPS, 0, "sm_90")
+    monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
+    monkeypatch.setattr(reverse.hopper, "supported", lambda *a: True)
+
+    class Meta:   # shape, dtype and device of a CUDA tensor without one
+        def __init__(self, *shape):
+            self.shape, self.dtype, self.device = shape, torch.bfloat16, torch.device("cuda", 0)
+
+    def wants(N, L, HV, H=16):
+        ci = prepare_chunk_indices(None, L, 64, N, device=torch.device("cpu"))
+        return wants_forward_w(Meta(N, L, H, 128), Meta(N, L, H, 128), Meta(N, L, HV, 128), ci)
+
+    assert wants(1, 8192, 32) and wants(1, 32768, 64) and wants(1, 65536, 8, H=2)
+    assert not wants(4, 4096, 32)
+    with tuning.override("chunk_bwd", w_from_forward=False):
+        assert not wants(1, 8192, 32)
+    x = torch.empty(1, 64, 1, 16)
+    assert not wants_forward_w(x, x, x, prepare_chunk_indices(None, 64, 64, 1))

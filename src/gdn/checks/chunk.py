@@ -327,9 +327,25 @@ def chunk_prepare_elementwise(device):
     compare("W recompute", w[0], w_ref, 1e-2)
     compare("U recompute", u[0], u_ref, 1e-2)
     if _sm90_gluon_available(device):
+        def forward_w(y):
+            """the training forward's prepare with W stored by the sm_90 kernel (chunk_bwd.w_from_forward)"""
+            return chunk_fwd_prepare(y.k, y.v, y.g, y.beta, cu, 64, True, store_wu=False, ainv_dtype=y.k.dtype,
+                                     q=y.q, scale=y.k.shape[-1] ** -0.5, keep_w=True)
+
+        # its W against the float64 W of the same Ainv (the forward's, bitwise) and against the W recompute
+        rw = twice("forward, P, qf and W (sm_90)", lambda: forward_w(x))
+        same = torch.equal(rw[1], r[1])
+        out.append(Result("chunk", "prepare forward W (sm_90): Ainv bitwise the forward's", 0.0 if same else float("inf"),
+                          0.0))
+        compare("forward W (sm_90)", rw[2][0], w_ref, 1e-2)
+        compare("forward W (sm_90) vs W recompute", rw[2], w, 1e-2)
         # the sm_90 prepare's other builds: K = 64 (its solve scratch in tiles of its own), fp16, four value heads per
         # key head, no GVA
         for H2, HV2, K2, dt2 in ((2, 4, 64, torch.bfloat16), (2, 8, 128, torch.float16), (4, 4, 64, torch.float16)):
             y = make_inputs(1, T, H2, HV2, K2, K2, dtype=dt2, device=device)
-            sm90_vs_portable(f"K={K2} {H2}/{HV2} {str(dt2)[6:]}", y, True)
+            label = f"K={K2} {H2}/{HV2} {str(dt2)[6:]}"
+            sm90_vs_portable(label, y, True)
+            ry = forward_w(y)
+            compare(f"{label} forward W (sm_90) vs W recompute", ry[2],
+                    recompute_w_u(y.k, y.v, y.beta, ry[1], ry[0], cu, 64, True, store_u=False)[0], 1e-2)
     return out

@@ -270,8 +270,8 @@ def chunk_backward_target_shapes(device):
     default path against the portable reverse pass (``chunk_gated_delta_rule_bwd``, every gradient, random dO over
     the whole sequence; the portable pass segments these long sequences, the sm_90 one does not), and autograd
     through the public op against float64 on a prefix of every sequence with dO zero after it (then the prefix's
-    gradients are those of the prefix alone), in bf16 (fp32: ``chunk_backward_fp32_long``); the default
-    backward run twice is bitwise the same."""
+    gradients are those of the prefix alone), in bf16 (fp32: ``chunk_backward_fp32_long``), and with W from the
+    forward's prepare against W recomputed; the default backward run twice is bitwise the same."""
     if not _sm90_gluon_available(device):
         return []
     from ..kernels.chunk.backward import chunk_gated_delta_rule_bwd
@@ -323,6 +323,14 @@ def chunk_backward_target_shapes(device):
                 errs[name] = max(errs[name], rel_err(a.grad[:, sl], r))
         out += [Result("chunk_backward", f"target {tag} {n}[:{prefix}] per sequence vs float64", e,
                        _TOL[torch.bfloat16]) for n, e in errs.items()]
+        # the op's W from the forward's prepare (chunk_bwd.w_from_forward, where the reverse pass does not form W
+        # itself) against the backward's own W recompute, every gradient over the whole sequences
+        alt = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta)]
+        with override("chunk_bwd", w_from_forward=False):
+            o2, _ = chunk_gated_delta_rule(*alt, cu_seqlens=cu, use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=cu.cpu())
+            o2.backward(torch.where(keep[None, :, None, None], do, 0))
+        out += [Result("chunk_backward", f"target {tag} {n}: W from the forward vs recomputed", rel_err(a.grad, b.grad),
+                       1e-2) for n, a, b in zip(_NAMES, leaves, alt)]
     return out
 
 

@@ -190,6 +190,9 @@ class ChunkBackward:
     # W the backward recomputes in its own kernel first (portable, ~70% of copy bandwidth). H100 fwd + bwd kernel
     # sums 4x4096 16/32 2.32 -> 2.18 ms, 16/64 4.36 -> 4.15, 16x1024 2.32 -> 2.20 (bench/NOTES.md, Kept table)
     dh_sm90_w_from_ainv: bool = True
+    # elsewhere the training forward's sm_90 prepare stores W (one more wgmma per chunk and value head, from the Ainv
+    # it has just stored) and the backward reads it instead of recomputing it (backward.wants_forward_w)
+    w_from_forward: bool = True
     # sm_90: parts A and B of the per-chunk gradients as one Gluon kernel (gdn.kernels.chunk.backward.hopper_parts:
     # every tile of a (chunk, value head) by TMA once, asynchronous wgmma) where it supports the launch
     parts_sm90: bool = True

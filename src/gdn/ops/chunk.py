@@ -170,14 +170,19 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
         # Ainv (tensor-core dtype, [B, T, HV, 64]), the chunk-local gate cumsum and k's L2 row scalings are kept for
         # the backward (as fla keeps A), and with the tuning field chunk_fwd.bwd_save_states (default) the chunk
-        # states h and v_new too: the backward then recomputes only W (else also the chunk states)
+        # states h and v_new too: the backward then recomputes only W (else also the chunk states); on sm_90 the
+        # prepare stores W as well where the backward's reverse pass does not form it itself (chunk_bwd.w_from_forward)
+        from gdn.kernels.chunk.backward import wants_forward_w
+
         keep = bool(tuning.chunk_fwd(q.device).bwd_save_states)
         o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                 cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, state_layout="v_last",
-                                                store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu, return_states=keep)
+                                                store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu, return_states=keep,
+                                                keep_w=lambda ci: wants_forward_w(q, k, v, ci))
         keep = keep and aux["h"] is not None
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, aux["g_cum"], aux["ainv"],
-                              aux["rk"], aux["rq"], aux["h"] if keep else None, aux["v_new"] if keep else None)
+                              aux["rk"], aux["rq"], aux["h"] if keep else None, aux["v_new"] if keep else None,
+                              aux["w"])
         ctx.scale = scale
         ctx.chunk_size = chunk_size
         ctx.chunk_index = aux["chunk_index"]
@@ -192,12 +197,12 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
         except ImportError as e:  # pragma: no cover - until the backward kernels land
             raise NotImplementedError("chunk_gated_delta_rule backward kernels (gdn.kernels.chunk.backward) are not "
                                       "available") from e
-        q, k, v, g, beta, h0, cu_seqlens, g_cum, ainv, rk, rq, h, v_new = ctx.saved_tensors
+        q, k, v, g, beta, h0, cu_seqlens, g_cum, ainv, rk, rq, h, v_new, w = ctx.saved_tensors
         if do is None:
             do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, cu_seqlens,
                                                                 ctx.chunk_size, ctx.l2, do, dht, g_cum=g_cum,
-                                                                ainv=ainv, rk=rk, rq=rq, h=h, v_new=v_new,
+                                                                ainv=ainv, rk=rk, rq=rq, h=h, v_new=v_new, w=w,
                                                                 chunk_index=ctx.chunk_index)
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None
 

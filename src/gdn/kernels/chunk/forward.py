@@ -33,7 +33,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                state_layout="v_last", state_indices=None, final_state=None,
                                segment_chunks=None, h_dtype=None, store_ainv=False, cu_seqlens_cpu=None,
                                final_indices=None, checkpoint_indices=None, checkpoint_every=0, return_states=True,
-                               out=None, _whole=False):
+                               out=None, keep_w=False, _whole=False):
     """The whole forward. Returns ``(o [B, T, HV, V] in v's dtype, final state or None, aux dict)``.
 
     ``initial_state``/``final_state``/``state_indices``/``final_indices``/``checkpoint_indices``/``checkpoint_every``
@@ -46,7 +46,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     ``return_states=False``: the caller needs no h / v_new; on Hopper the state pass then computes the output itself
     (one kernel fewer, no h / v_new in memory) and aux["h"] / aux["v_new"] are None; such a call over more token x
     value heads than twice the ``chunk_fwd.piece_token_heads`` field runs in pieces (:func:`_forward_in_pieces`).
-    ``out``: o [B, T, HV, V] (contiguous, v's dtype) to write instead of a new tensor."""
+    ``out``: o [B, T, HV, V] (contiguous, v's dtype) to write instead of a new tensor. ``keep_w`` (with
+    ``store_ainv``): a callable ``(ci) -> bool``, whether the backward wants the prepare to store W (aux["w"]; only
+    the sm_90 prepare stores it, elsewhere aux["w"] is None)."""
     _check_chunk_size(chunk_size)
     B, T, H, K = q.shape
     ci = prepare_chunk_indices(cu_seqlens, T, chunk_size, B, device=q.device, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -76,7 +78,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     rq = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and bv_fused) else None
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
-                             ainv_dtype=a_dtype, rk=rk, q=q if bv_fused else None, scale=scale, rq=rq)
+                             ainv_dtype=a_dtype, rk=rk, q=q if bv_fused else None, scale=scale, rq=rq,
+                             keep_w=bool(keep_w and store_ainv and from_ainv and keep_w(ci)))
     g_cum, ainv, w, u = prep[:4]
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     fuse = None
@@ -92,7 +95,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                     rk=rk, final_indices=final_indices, checkpoint_indices=checkpoint_indices,
                                     checkpoint_every=checkpoint_every, output=fuse)
     if fuse is not None:
-        return fuse["o"], ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk, rq=rq)
+        return fuse["o"], ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk, rq=rq,
+                                   w=w if from_ainv else None)
     if not store_ainv:
         # Ainv (or W / U) is dead once the state pass has read it: freed before the output kernel allocates o, so
         # the call's peak is o + h + v_new, not o + h + v_new + Ainv (stream order keeps the state pass's reads
@@ -102,7 +106,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                      out_dtype=v.dtype, state_indices=state_indices, pool_size=P, chunk_index=ci, rk=rk)
     if out is not None:
         o = out.copy_(o)
-    return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk, rq=None)
+    return o, ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk, rq=None,
+                       w=w if from_ainv else None)
 
 
 def _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, l2, layout, pieces, ci, out):

@@ -46,12 +46,12 @@ if G.AVAILABLE:
         return t
 
     @gluon.jit
-    def _store_tile(ptr, x, row_off, nv, C: gl.constexpr, num_warps: gl.constexpr):
-        """x [C, C] into rows ``row_off[t]`` (elements) of a row-major buffer, rows t < nv only; 16-byte stores."""
+    def _store_tile(ptr, x, row_off, nv, C: gl.constexpr, num_warps: gl.constexpr, D: gl.constexpr = 64):
+        """x [C, D] into rows ``row_off[t]`` (elements) of a row-major buffer, rows t < nv only; 16-byte stores."""
         st: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [num_warps, 1], [1, 0])
         y = gl.convert_layout(x, st)
         r = gl.arange(0, C, layout=gl.SliceLayout(1, st))
-        cc = gl.arange(0, C, layout=gl.SliceLayout(0, st))
+        cc = gl.arange(0, D, layout=gl.SliceLayout(0, st))
         offs = gl.convert_layout(row_off, gl.SliceLayout(1, st))
         gl.store(ptr + offs[:, None] + cc[None, :], y, mask=(r < nv)[:, None])
 
@@ -119,15 +119,17 @@ if G.AVAILABLE:
 
     @gluon.jit
     def _chunk_prepare_sm90_kernel(
-        k_desc, q_desc, g, beta, gcum, ainv, rk_out, rq_out, p_out, qf_out, chunk_indices, cu_seqlens, T, scale,
-        s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
+        k_desc, q_desc, g, beta, gcum, ainv, rk_out, rq_out, p_out, qf_out, w_out, chunk_indices, cu_seqlens, T,
+        scale, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
-        STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, num_warps: gl.constexpr,
+        STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, STORE_W: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
         [B*T, HV] fp32, Ainv and P [B*T, HV, 64] (k's dtype), r_k and (STORE_RQ, with P and the L2 norm) r_q
-        [B*T, H] fp32 (by the key head's first value head)."""
+        [B*T, H] fp32 (by the key head's first value head); STORE_W: the backward's W = Ainv diag(beta e^c r_k) k
+        [B*T, HV, K] (k's dtype; from the stored, rounded Ainv, as the reverse pass's W_AINV form computes it)."""
         C: gl.constexpr = 64
         pid = gl.program_id(0)
         i_t = pid // HV
@@ -196,6 +198,10 @@ if G.AVAILABLE:
         gam = gl.exp(gl.where(causal, c_r[:, None] - c_c[None, :], 0.0))
         a = gl.where(tc[None, :] < tr[:, None], kk * (b_r * rk_r)[:, None] * rk_c[None, :] * gam, 0.0)
         row_off = (tok_r * HV + i_hv) * C
+        if STORE_W:
+            # W's column factors beta e^c r_k (0 past the sequence) through shared memory: not live in the solve
+            fw_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            fw_s.store(b_r * gl.exp(c_r) * rk_r)
         if STORE_P:
             if USE_L2:
                 rq = gl.rsqrt(gl.sum(gl.where(diag, qq, 0.0), axis=1) + 1e-6)
@@ -212,7 +218,7 @@ if G.AVAILABLE:
         # the solve's two NVMMA scratch tiles in the k / q tiles' bytes where these hold 16 KB (dead once the products
         # are waited for)
         REUSE: gl.constexpr = K * (dt.primitive_bitwidth // 8) == 4 * C
-        if REUSE:
+        if REUSE and not STORE_W:
             l_s = _as_f32_tile(k_s, C, nvmma)
         else:
             l_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
@@ -221,7 +227,18 @@ if G.AVAILABLE:
         else:
             dt_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
         ai = _unit_lower_inverse_sm90(a, d_s, l_s, dt_s, mma, num_warps)
-        _store_tile(ainv, ai.to(dt), row_off, nv, C, num_warps)
+        ai = ai.to(dt)
+        _store_tile(ainv, ai, row_off, nv, C, num_warps)
+        if STORE_W:
+            # W = (Ainv diag(beta e^c r_k)) k: one [64, 64] x [64, K] wgmma, the left operand from registers, k still
+            # in shared memory (the solve's scratch did not take its bytes)
+            mw: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                         instr_shape=[16, K, 16])
+            opw: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mw, k_width=2)
+            aw = (ai.to(gl.float32) * fw_s.load(cl)[None, :]).to(dt)
+            wm = warpgroup_mma(gl.convert_layout(aw, opw), k_s, gl.zeros([C, K], gl.float32, layout=mw),
+                               use_acc=False)
+            _store_tile(w_out, wm.to(dt), (tok_r * HV + i_hv) * K, nv, C, num_warps, K)
 
 
 def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precision: str) -> bool:
@@ -235,20 +252,20 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
 
 
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
-                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None):
+                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
     P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with q and the L2 norm; the caller
-    passes it only then). Unused tensors may be None."""
+    passes it only then); ``w`` [B, T, HV, K] (contiguous, k's dtype): also W. Unused tensors may be None."""
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn) if q is not None else k_desc
     launch(_chunk_prepare_sm90_kernel, (NT * HV,),
         k_desc, q_desc, g, beta, g_cum, ainv, rk if rk is not None else g_cum, rq if rq is not None else g_cum,
         p if p is not None else ainv,
-        qf if qf is not None else g_cum, chunk_indices, cu_seqlens if cu_seqlens is not None else chunk_indices,
-        T, float(scale), *s_g, *s_beta,
+        qf if qf is not None else g_cum, w if w is not None else ainv, chunk_indices,
+        cu_seqlens if cu_seqlens is not None else chunk_indices, T, float(scale), *s_g, *s_beta,
         H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
-        STORE_P=q is not None, STORE_RQ=rq is not None, num_warps=4,
+        STORE_P=q is not None, STORE_RQ=rq is not None, STORE_W=w is not None, num_warps=4,
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
 

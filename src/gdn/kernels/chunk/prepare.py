@@ -213,7 +213,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
                       g_is_cumsum: bool = False, out_dtype: Optional[torch.dtype] = None,
                       chunk_index: Optional[ChunkIndex] = None, ainv_dtype: torch.dtype = torch.float32,
                       rk: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None, scale: float = 1.0,
-                      rq: Optional[torch.Tensor] = None):
+                      rq: Optional[torch.Tensor] = None, keep_w: bool = False):
     """Fused cumsum + K K^T + triangular solve + W/U.
 
     k [B, T, H, K], v [B, T, HV, V] (strided, last dim contiguous), g, beta [B, T, HV] (any float dtype; g log-space,
@@ -226,7 +226,8 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     dtype) and row factors qf [B, T, HV] fp32 (kernel docstring), returned as a 5th and 6th value; ``rq``: with
     ``q`` and the L2 norm, an fp32 [B, T, H] buffer that receives q's L2 row scalings too (as ``rk`` k's).
     On sm_90 the forward's launches (Ainv in k's 16-bit dtype, no W / U) run as the Gluon kernel of
-    :mod:`.hopper_prepare` (``chunk_fwd.prepare_sm90``).
+    :mod:`.hopper_prepare` (``chunk_fwd.prepare_sm90``); there ``keep_w`` has it store the backward's W too (returned
+    as w; elsewhere ``keep_w`` is ignored and w is None).
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
@@ -253,12 +254,13 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     solve_prec = _solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype)
     if cfg.prepare_sm90 and store_ainv and not store_wu and not g_is_cumsum \
             and hopper_prepare.supported(k, q, K, ainv_dtype, solve_prec):
+        w = _empty(B, T, HV, K, device=dev, dtype=dt) if keep_w else None
         hopper_prepare.launch_prepare(
             k, q, g, beta, g_cum, ainv, rk if store_rk else None, p, qf, ci.chunk_indices,
             cu_seqlens, ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
             use_l2=bool(use_qk_l2norm_in_kernel), is_varlen=ci.is_varlen,
             maxnreg=(int(cfg.prepare_sm90_maxnreg) or None) if q is not None else None,
-            rq=rq if store_rq else None)
+            rq=rq if store_rq else None, w=w)
         return (g_cum, ainv, w, u) + extra
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))

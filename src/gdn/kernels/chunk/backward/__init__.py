@@ -106,6 +106,18 @@ def _side_stream(device):
     return _SIDE_STREAMS[key]
 
 
+def wants_forward_w(q, k, v, ci) -> bool:
+    """Whether the training forward should have its prepare store W for this backward (``chunk_bwd.w_from_forward``):
+    everywhere but where the reverse pass forms W itself from Ainv (:func:`reverse.w_in_pass`). ``v`` stands in for
+    dO (same shape) in the reverse pass's plan; ``ci``: the forward's chunk tables."""
+    dev = q.device
+    if not tuning.chunk_bwd(dev).w_from_forward or dev.type != "cuda":
+        return False
+    HV, V, K = v.shape[2], v.shape[3], k.shape[3]
+    h_dtype = torch.float32 if tuning.chunk_fwd(dev).h_dtype == "fp32" else _dot_dtype(k, v)
+    return not w_in_pass(reverse_plan(q, k, v, None, h_dtype, ci, HV, K, V, dev), ci, HV, V, dev)
+
+
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                                use_qk_l2norm_in_kernel, do, dht, *, g_cum=None, ainv=None, w=None, u=None,
                                h=None, v_new=None, segment_chunks=None, rq=None, rk=None, chunk_index=None):
@@ -116,7 +128,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     grads come back in the inputs' dtypes; dh0 is fp32 [N, HV, K, V], or None without initial_state.
 
     Pipeline: W from the forward's Ainv (``recompute_w_u``, or inside the reverse pass where it runs on sm_90 at V
-    tile 128: ``reverse.w_in_pass``; the whole ``chunk_fwd_prepare``, W and U, when ``ainv`` is not given) -> the
+    tile 128: ``reverse.w_in_pass``; the whole ``chunk_fwd_prepare``, W and U, when ``ainv`` is not given; or the
+    forward's own ``w``, stored by its sm_90 prepare where :func:`wants_forward_w` says so) -> the
     forward state pass (h, v_new from k, v, beta and Ainv as in the forward, or from W and U; on a side CUDA stream)
     concurrently with ``chunk_bwd_dh`` (dv_local, then the reverse pass; needs only w and g_cum) ->
     ``chunk_bwd_main`` (parts A and B, the q/k kernel).
@@ -190,4 +203,4 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     return dq, dk, dv, dg, dbeta, dh0
 
 
-__all__ = ["chunk_gated_delta_rule_bwd", "chunk_bwd_dh", "chunk_bwd_main"]
+__all__ = ["chunk_gated_delta_rule_bwd", "chunk_bwd_dh", "chunk_bwd_main", "wants_forward_w"]
