@@ -248,6 +248,9 @@ if G.AVAILABLE:
         else:
             gl.store(dq_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dq.to(dq_v.dtype.element_ty),
                      mask=m_dd)
+            # and a copy in dO's tile (its last readers, dO Vn^T / dO H^T / Vn dO^T, were waited for before the
+            # barrier above): the last of the group sums its own dQ from here instead of reading its slot back
+            do_s.store(dq.to(dt))
         dvb = warpgroup_mma_wait(1, deps=[t_dvb])
         gl.store(dv + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :],
                  (dvb * _vec(rv_s, 1, rd)[:, None]).to(dv.dtype.element_ty), mask=m_dd)
@@ -307,6 +310,7 @@ if G.AVAILABLE:
                      mask=m_dd)
             # every thread's dQ / dK stores before the count (bar.sync, then one acq_rel gpu-scope atomic: the
             # cooperative-groups grid-sync pattern); the last of the group reads the others' slots past L1 (.cg)
+            # and takes its own dQ from dO's tile, its own dK from registers (the values its slots hold)
             cta_barrier()
             arrived = gl.atomic_add(counts + i_t * H + i_h, 1, sem="acq_rel", scope="gpu")
             if arrived == GR - 1:
@@ -314,9 +318,16 @@ if G.AVAILABLE:
                 sq = zd
                 sk = zd
                 for j in gl.static_range(GR):
+                    mine = i_h * GR + j == i_hv
                     p_j = (tok_d * HV + i_h * GR + j)[:, None] * D + o_d[None, :]
-                    sq += gl.load(dq_v + p_j, mask=m_dd, other=0.0, cache_modifier=".cg").to(gl.float32)
-                    sk += gl.load(dk_v + p_j, mask=m_dd, other=0.0, cache_modifier=".cg").to(gl.float32)
+                    m_j = m_dd & (i_h * GR + j != i_hv)
+                    lq = gl.load(dq_v + p_j, mask=m_j, other=0.0, cache_modifier=".cg").to(gl.float32)
+                    lk = gl.load(dk_v + p_j, mask=m_j, other=0.0, cache_modifier=".cg").to(gl.float32)
+                    if mine:
+                        lq = gl.where(m_dd, do_s.load(LD).to(gl.float32), 0.0)
+                        lk = gl.where(m_dd, dk.to(dk_v.dtype.element_ty).to(gl.float32), 0.0)
+                    sq += lq
+                    sk += lk
                 p_o = (tok_d * H + i_h)[:, None] * D + o_d[None, :]
                 sq = _l2_backward(sq, q_s, rq_in, tok_d, m_d, i_h, scale, H, LD, USE_L2)
                 gl.store(dq_o + p_o, sq.to(dq_o.dtype.element_ty), mask=m_dd)
