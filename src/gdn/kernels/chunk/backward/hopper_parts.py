@@ -236,11 +236,11 @@ if G.AVAILABLE:
         cta_barrier()
         t_dvb = warpgroup_mma(ai_s.permute((1, 0)), dvn_s, zd, use_acc=False, is_async=True)     # Ainv^T dVn
         t_vdv = warpgroup_mma(vn_s, dvn_s.permute((1, 0)), zc, use_acc=False, is_async=True)     # Vn dVn^T
-        # <H, Gm> while they run (32 rows at a time)
-        hgs = 0.0
+        # <H, Gm> while they run (32 rows at a time, summed elementwise: one cross-warp reduction, not four)
+        hg = gl.zeros([32, D], gl.float32, layout=BL)
         for r in gl.static_range(0, D, 32):
-            hgs += gl.sum(gl.sum(h_s.slice(r, 32).load(BL).to(gl.float32) * gs_s.slice(r, 32).load(BL).to(gl.float32),
-                                 axis=1), axis=0)
+            hg += h_s.slice(r, 32).load(BL).to(gl.float32) * gs_s.slice(r, 32).load(BL).to(gl.float32)
+        hgs = gl.sum(gl.sum(hg, axis=1), axis=0)
         dq = warpgroup_mma_wait(2, deps=[t_dq])
         if GR == 1:
             dq = _l2_backward(dq, q_s, rq_in, tok_d, m_d, i_h, scale, H, LD, USE_L2)
@@ -278,10 +278,11 @@ if G.AVAILABLE:
         nda = nda * _gam(_vec(rv_s, 0, rc), _vec(rv_s, 0, cc), o_r, o_c, True, False)
         ndat, kk = warpgroup_mma_wait(1, deps=[t_ndat, t_kk])
         dagk = nda * kk * (_vec(rv_s, 2, rc)[:, None] * _vec(rv_s, 2, cc)[None, :])
-        db -= gl.convert_layout(gl.sum(dagk, axis=1), rd)
+        dagk_r = gl.sum(dagk, axis=1)
+        db -= gl.convert_layout(dagk_r, rd)
         b_r = _vec(rv_s, 1, rc)
         daa = dagk * b_r[:, None]
-        dcb = gl.convert_layout(gl.sum(daa, axis=0), rc) - gl.sum(daa, axis=1)
+        dcb = gl.convert_layout(gl.sum(daa, axis=0), rc) - dagk_r * b_r     # rowsum(daa) = b rowsum(dagk)
         msym = (nda * b_r[:, None] + ndat * _gam(_vec(rv_s, 0, rc), _vec(rv_s, 0, cc), o_r, o_c, True, True)
                 * _vec(rv_s, 1, cc)[None, :]) * _vec(rv_s, 2, cc)[None, :]
         m_s.store((-msym).to(dt))
