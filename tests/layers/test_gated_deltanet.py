@@ -165,20 +165,23 @@ def test_train_example_loss_decreases(monkeypatch):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
 
 
-def test_packed_projection_equals_grouped_unpacking():
-    """qwen3_next with many tokens reorders the weight rows (Q|K|V|Z, B|A) instead of the outputs: same mixed_qkv, z,
-    b, a as the per-key-head unpacking, and the same weight gradients (GVA 3, K != V)."""
+@pytest.mark.parametrize("used", [(0, 1, 2, 3), (0, 2)])
+def test_packed_projection_equals_grouped_unpacking(used):
+    """qwen3_next with many tokens reorders the weight rows (Q|K|V|Z, B|A) instead of the outputs (one product,
+    ``_RowPermutedLinear``): same mixed_qkv, z, b, a as the per-key-head unpacking, and the same input and weight
+    gradients (GVA 3, K != V), also when some outputs take no part in the loss (their gradients are None)."""
     layer = make_layer(H=2, HV=6, K=8, V=12, hidden=16)
-    x = torch.randn(2, 9, 16, device=DEV, dtype=torch.float64)
+    x0 = torch.randn(2, 9, 16, device=DEV, dtype=torch.float64)
     layer = layer.double()
     outs = {}
     for packed in (True, False):
         layer.zero_grad()
+        x = x0.clone().requires_grad_(True)
         parts = layer._project(x, packed=packed)
-        sum((p * torch.linspace(-1, 1, p.numel(), device=DEV, dtype=p.dtype).view_as(p)).sum()
-            for p in parts).backward()
+        sum((parts[i] * torch.linspace(-1, 1, parts[i].numel(), device=DEV, dtype=x.dtype).view_as(parts[i])).sum()
+            for i in used).backward()
         outs[packed] = ([p.detach().clone() for p in parts],
-                        [layer.in_proj_qkvz.weight.grad.clone(), layer.in_proj_ba.weight.grad.clone()])
+                        [x.grad.clone(), layer.in_proj_qkvz.weight.grad.clone(), layer.in_proj_ba.weight.grad.clone()])
     for a, b in zip(outs[True][0] + outs[True][1], outs[False][0] + outs[False][1]):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
