@@ -26,6 +26,12 @@ def _dot_dtype(*tensors) -> torch.dtype:
     return torch.float32
 
 
+def _state_dtype(device, dot_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the per-chunk states h the forward keeps (and the backward's state gradients): fp32 with the tuning
+    field ``chunk_fwd.h_dtype`` = "fp32", else the tensor-core dtype."""
+    return torch.float32 if tuning.chunk_fwd(device).h_dtype == "fp32" else dot_dtype
+
+
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 

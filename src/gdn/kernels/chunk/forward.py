@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import tuning
-from .common import CHUNK_SIZE, _check_chunk_size, _dot_dtype, _empty
+from .common import CHUNK_SIZE, _check_chunk_size, _dot_dtype, _empty, _state_dtype
 from .output import chunk_output
 from .plan import prepare_chunk_indices
 from .prepare import chunk_fwd_prepare
@@ -59,7 +59,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     l2 = bool(use_qk_l2norm_in_kernel)
     ckpt = checkpoint_indices is not None and checkpoint_indices.shape[1] > 0
     if h_dtype is None:
-        h_dtype = torch.float32 if cfg.h_dtype == "fp32" else dt
+        h_dtype = _state_dtype(q.device, dt)
     # Hopper: the output computed by the state pass itself (P and qf from the prepare kernel; h / v_new in memory
     # only when asked for, and then only in the tensor-core dtype: chunk_fwd.state_sm90_fused_states)
     fused_ok = not return_states or (cfg.state_sm90_fused_states and h_dtype == dt)

@@ -88,7 +88,7 @@ import torch
 
 from ...common import l2_rnorm
 from ... import tuning
-from ..common import _dot_dtype, _empty
+from ..common import _dot_dtype, _empty, _state_dtype
 from ..plan import prepare_chunk_indices
 from ..prepare import chunk_fwd_prepare, recompute_w_u
 from ..state import chunk_state_pass
@@ -114,8 +114,8 @@ def wants_forward_w(q, k, v, ci) -> bool:
     if not tuning.chunk_bwd(dev).w_from_forward or dev.type != "cuda":
         return False
     HV, V, K = v.shape[2], v.shape[3], k.shape[3]
-    h_dtype = torch.float32 if tuning.chunk_fwd(dev).h_dtype == "fp32" else _dot_dtype(k, v)
-    return not w_in_pass(reverse_plan(q, k, v, None, h_dtype, ci, HV, K, V, dev), ci, HV, V, dev)
+    plan = reverse_plan(q, k, v, None, _state_dtype(dev, _dot_dtype(k, v)), ci, HV, K, V, dev)
+    return not w_in_pass(plan, ci, HV, V, dev)
 
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
@@ -151,8 +151,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
         w_dt = w.dtype
     elif w is None:
         u = None   # the forward states are recomputed from k, v, beta and Ainv (the forward's form), W below
-    h_dtype = h.dtype if h is not None else (torch.float32 if tuning.chunk_fwd(dev).h_dtype == "fp32"
-                                                        else w_dt)
+    h_dtype = h.dtype if h is not None else _state_dtype(dev, w_dt)
     if do.stride(-1) != 1:
         do = do.contiguous()
     HV, V = v.shape[2], v.shape[3]
