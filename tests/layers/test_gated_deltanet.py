@@ -165,11 +165,12 @@ def test_train_example_loss_decreases(monkeypatch):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
 
 
-@pytest.mark.parametrize("used", [(0, 1, 2, 3), (0, 2)])
+@pytest.mark.parametrize("used", [(0, 1, 2, 3), (0, 2), (0, 1), (3,)])
 def test_packed_projection_equals_grouped_unpacking(used):
     """qwen3_next with many tokens reorders the weight rows (Q|K|V|Z, B|A) instead of the outputs (one product,
     ``_RowPermutedLinear``): same mixed_qkv, z, b, a as the per-key-head unpacking, and the same input and weight
-    gradients (GVA 3, K != V), also when some outputs take no part in the loss (their gradients are None)."""
+    gradients (GVA 3, K != V), also when some outputs take no part in the loss (their gradients are None; b and a,
+    whose gradients the backward merges into one product, both or one of them)."""
     layer = make_layer(H=2, HV=6, K=8, V=12, hidden=16)
     x0 = torch.randn(2, 9, 16, device=DEV, dtype=torch.float64)
     layer = layer.double()
@@ -180,8 +181,9 @@ def test_packed_projection_equals_grouped_unpacking(used):
         parts = layer._project(x, packed=packed)
         sum((parts[i] * torch.linspace(-1, 1, parts[i].numel(), device=DEV, dtype=x.dtype).view_as(parts[i])).sum()
             for i in used).backward()
-        outs[packed] = ([p.detach().clone() for p in parts],
-                        [x.grad.clone(), layer.in_proj_qkvz.weight.grad.clone(), layer.in_proj_ba.weight.grad.clone()])
+        grads = [x.grad] + [w.grad if w.grad is not None else torch.zeros_like(w)   # unused weight: None or zeros
+                            for w in (layer.in_proj_qkvz.weight, layer.in_proj_ba.weight)]
+        outs[packed] = ([p.detach().clone() for p in parts], [g.clone() for g in grads])
     for a, b in zip(outs[True][0] + outs[True][1], outs[False][0] + outs[False][1]):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
@@ -311,3 +313,30 @@ def test_inference_steps_pack_the_in_projections():
     layer.in_proj_ba.register_forward_hook(lambda m, i, o: calls.append(1))
     layer(x, cache=cache)
     assert calls == [1]
+
+
+def _graph_names(t):
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        names.add(type(fn).__name__)
+        todo.extend(f for f, _ in fn.next_functions)
+    return names
+
+
+def test_training_call_keeps_qkv_packed():
+    """A training forward on the Triton backend runs the chunked op on the packed conv output (its backward
+    writes one gradient of q|k|v: no concatenation of three); under no_grad nothing changes."""
+    from gdn.backend import use_triton
+
+    layer = make_layer()
+    x = torch.randn(2, 21, 32, device=DEV, requires_grad=True)
+    names = _graph_names(layer(x))
+    if use_triton(x.device):
+        assert "ChunkGatedDeltaRulePackedFunctionBackward" in names
+        assert "ChunkGatedDeltaRuleFunctionBackward" not in names
+    else:   # the torch path: autograd through the reference
+        assert not any("ChunkGatedDeltaRule" in n for n in names)

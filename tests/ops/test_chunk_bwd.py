@@ -428,9 +428,8 @@ def test_reverse_pass_plan_sm90(monkeypatch):
 @pytest.mark.parametrize("HV", [2, 4])
 def test_parts_dispatch_sm90(monkeypatch, HV):
     """chunk_bwd_main's dispatch where the sm_90 parts kernel takes the launch (support emulated, launches
-    recorded): the Gluon kernel gets the final dq / dk and no q/k kernel is launched; with GVA it also gets
-    per-value-head scratch (through which it sums a key head's value heads), with HV = H none; the portable pair
-    never runs."""
+    recorded): the Gluon kernel gets the final dq / dk and no q/k kernel is launched (with GVA it sums a key head's
+    value heads through slots of its own); the portable pair never runs."""
     from gdn.kernels.chunk.backward import parts
 
     calls, launched = [], []
@@ -449,13 +448,104 @@ def test_parts_dispatch_sm90(monkeypatch, HV):
     args, kw = calls[0]
     # the kernel's dq / dk arguments (14th and 15th) are the outputs themselves
     assert args[13] is dq and args[14] is dk
-    if HV == H:
-        assert kw["scratch"] is None
-    else:
-        sq, sk = kw["scratch"]
-        assert sq.shape == (B, T, HV, K) and sk.shape == (B, T, HV, K) and sk.dtype == torch.float32
     assert launched == []
     assert dq.shape == (B, T, H, K) and dk.dtype == x.k.dtype and dv.shape == x.v.shape
+
+
+@pytest.mark.parametrize("sm90", [False, True])
+def test_parts_write_into_packed_gradient(monkeypatch, sm90):
+    """chunk_bwd_main(out=) with views of one packed [B, T, 2 H K + HV V] gradient: where the sm_90 kernel takes
+    the launch (emulated, recorded) it gets the views themselves; on the portable path the views are filled by a
+    copy (poisoned first: every element written) with the values of the call without ``out``."""
+    from gdn.kernels.chunk.backward import parts
+    from gdn.ops.chunk import split_packed_qkv
+
+    B, T, H, HV, K = 2, 70, 1, 2, 16
+    x = make_inputs(B, T, H, HV, K, K, dtype=torch.float32)
+    g_cum = -torch.rand(B, T, HV).cumsum(1) * 0.1
+    ainv = torch.randn(B, T, HV, 64) * 0.1
+    vn, dvn, do = (torch.randn(B, T, HV, K) for _ in range(3))
+    h = torch.randn(B * 2, HV, K, K)
+    args = (x.q, x.k, x.v, g_cum, x.beta, ainv, vn, dvn, do, h, h.clone(), 0.125, None, 64, True)
+    packed = torch.full((B, T, 2 * H * K + HV * K), float("nan"))
+    out = split_packed_qkv(packed, H, K, HV, K)
+    if sm90:
+        calls = []
+        monkeypatch.setattr(parts.hopper_parts, "supported", lambda *a: True)
+        monkeypatch.setattr(parts.hopper_parts, "launch_parts", lambda *a, **kw: calls.append(a))
+        dq, dk, dv, _, _ = parts.chunk_bwd_main(*args, out=out)
+        assert len(calls) == 1 and calls[0][13] is out[0] and calls[0][14] is out[1] and calls[0][15] is out[2]
+        assert dq is out[0] and dv is out[2]
+        return
+    ref = parts.chunk_bwd_main(*args)
+    got = parts.chunk_bwd_main(*args, out=out)
+    assert not packed.isnan().any()
+    for a, b in zip(got, ref):
+        assert torch.equal(a, b)
+    assert got[0].data_ptr() == packed.data_ptr()
+
+
+def test_token_rows_ok():
+    from gdn.kernels.chunk.backward.hopper_parts import _row_stride, token_rows_ok
+    from gdn.ops.chunk import split_packed_qkv
+
+    packed = torch.empty(3, 5, 2 * 2 * 16 + 4 * 16)
+    q, k, v = split_packed_qkv(packed, 2, 16, 4, 16)
+    assert all(token_rows_ok(t) for t in (q, k, v)) and _row_stride(v) == packed.shape[-1]
+    assert _row_stride(split_packed_qkv(packed[:, :1], 2, 16, 4, 16)[0]) == packed.stride(0)
+    assert not token_rows_ok(torch.empty(3, 5, 16, 2).transpose(-1, -2))        # heads not dense
+    assert not token_rows_ok(torch.empty(3, 6, 2, 16)[:, :5])                   # rows not at one stride over the batch
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_packed_op_gradients_equal_split_views(varlen):
+    """chunk_gated_delta_rule_packed: output and the gradients of qkv, g, beta equal (bitwise) the public op's on
+    split views of the same tensor; GVA, L2 norm; ragged varlen (lengths 0, 1, 63, 65)."""
+    from gdn.ops import chunk_gated_delta_rule
+    from gdn.ops.chunk import chunk_gated_delta_rule_packed, split_packed_qkv
+
+    H, HV, K, V = 1, 2, 16, 32
+    if varlen:
+        cu = torch.tensor([0, 0, 1, 64, 129], dtype=torch.int32)
+        B, T = 1, 129
+    else:
+        cu, B, T = None, 2, 70
+    qkv = torch.randn(B, T, 2 * H * K + HV * V)
+    g = -torch.rand(B, T, HV) * 0.2
+    beta = torch.rand(B, T, HV)
+    do = torch.randn(B, T, HV, V)
+    res = []
+    for packed in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (qkv, g, beta)]
+        if packed:
+            o = chunk_gated_delta_rule_packed(leaves[0], H, K, HV, V, leaves[1], leaves[2], cu_seqlens=cu,
+                                              use_qk_l2norm_in_kernel=True)
+        else:
+            o, _ = chunk_gated_delta_rule(*split_packed_qkv(leaves[0], H, K, HV, V), leaves[1], leaves[2],
+                                          cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        o.backward(do)
+        res.append([o.detach()] + [t.grad for t in leaves])
+    for a, b in zip(*res):
+        assert torch.equal(a, b)
+    refs = [t.double().requires_grad_() for t in (qkv, g, beta)]
+    ro, _ = chunk_gated_delta_rule_ref(*split_packed_qkv(refs[0], H, K, HV, V), refs[1], refs[2], cu_seqlens=cu,
+                                       use_qk_l2norm_in_kernel=True)
+    ro.backward(do.double())
+    for a, r in zip(res[0][1:], refs):
+        assert rel_err(a, r.grad) < TOL32
+
+
+def test_packed_op_validation():
+    from gdn.ops.chunk import chunk_gated_delta_rule_packed
+
+    qkv = torch.randn(1, 8, 2 * 16 + 32)
+    g, beta = torch.zeros(1, 8, 2) - 0.1, torch.rand(1, 8, 2)
+    with pytest.raises(ValueError, match="qkv"):
+        chunk_gated_delta_rule_packed(qkv, 1, 16, 2, 32, g, beta)
+    with pytest.raises(TypeError, match="qkv"):
+        chunk_gated_delta_rule_packed(qkv.long(), 1, 16, 2, 16, g, beta)
+    with pytest.raises(ValueError, match="g"):
+        chunk_gated_delta_rule_packed(qkv, 1, 16, 2, 16, g[:, :4], beta)
 
 
 def _recorded_reverse_pass(monkeypatch, N, L, H, HV, K, plan=None):

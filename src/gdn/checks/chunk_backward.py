@@ -265,6 +265,58 @@ def chunk_backward_parts_sm90(device):
 
 
 @register
+def chunk_backward_packed_qkv(device):
+    """Autograd through ``chunk_gated_delta_rule_packed`` (the layer's training call: q|k|v packed in one tensor,
+    its gradient written as one tensor) against the public op on split views of the same tensor: the gradient of
+    qkv, g and beta bitwise equal; GVA, L2 norm, a ragged varlen batch and a batch (fixed length); bf16. On sm_90
+    also at 1x8192 16/32 (the target shapes' packing), and that the parts kernel wrote into the packed gradient
+    itself (one sm_90 launch, no portable copy)."""
+    from ..ops import chunk_gated_delta_rule
+    from ..ops.chunk import chunk_gated_delta_rule_packed, split_packed_qkv
+
+    s = _shapes(device)
+    cases = [("varlen", True, s["H"], s["HV"], s["K"]), ("batch", False, s["H"], s["HV"], s["K"])]
+    sm90 = _sm90_gluon_available(device)
+    if sm90:
+        cases.append(("1x8192 16/32", None, 16, 32, 128))
+    out = []
+    for name, varlen, H, HV, K in cases:
+        if varlen is None:
+            cu, B, T = torch.tensor([0, 8192], dtype=torch.int32, device=device), 1, 8192
+        else:
+            cu, B, T, _ = _rows(device, s, varlen)
+        dims = (H, K, HV, K)
+        qkv = (torch.randn(B, T, 2 * H * K + HV * K, device=device)).to(torch.bfloat16)
+        g = -torch.rand(B, T, HV, device=device) * 0.1 - 0.01
+        beta = torch.rand(B, T, HV, device=device).to(torch.bfloat16)
+        do = torch.randn(B, T, HV, K, device=device).to(torch.bfloat16)
+        grads = []
+        for packed in (True, False):
+            leaves = [t.detach().clone().requires_grad_() for t in (qkv, g, beta)]
+            # the portable copy-back is chunk_bwd_main calling itself (the backward's own call is not counted: it
+            # holds its own reference to the function)
+            with _counting_sm90_launches("hopper_parts", "launch_parts") as calls, \
+                    _counting_sm90_launches("parts", "chunk_bwd_main") as copies:
+                if packed:
+                    o = chunk_gated_delta_rule_packed(leaves[0], *dims, leaves[1], leaves[2], cu_seqlens=cu,
+                                                      use_qk_l2norm_in_kernel=True)
+                else:
+                    o, _ = chunk_gated_delta_rule(*split_packed_qkv(leaves[0], *dims), leaves[1], leaves[2],
+                                                  cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+                o.backward(do)
+            grads.append([t.grad for t in leaves])
+            if packed and sm90:
+                ok = calls[0] == 1 and copies[0] == 0
+                out.append(Result("chunk_backward", f"packed qkv {name}: sm90 parts launches {calls[0]} (want 1), "
+                                  f"copied back {copies[0]} (want 0)", 0.0 if ok else float("inf"), 0.0))
+        for label, a, b in zip(("dqkv", "dg", "dbeta"), *grads):
+            same = a is not None and b is not None and torch.equal(a, b)
+            out.append(Result("chunk_backward", f"packed qkv {name} {label} bitwise equal to split views",
+                              0.0 if same else float("inf"), 0.0))
+    return out
+
+
+@register
 def chunk_backward_target_shapes(device):
     """Hopper only: the backward at the training target shapes (bf16, K = V = 128, L2 norm, varlen B = 1) on the
     default path against the portable reverse pass (``chunk_gated_delta_rule_bwd``, every gradient, random dO over

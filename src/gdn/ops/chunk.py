@@ -158,6 +158,48 @@ def _torch_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
 # ----------------------------------------------------------------------------------------------------------------------
 # Triton path
 # ----------------------------------------------------------------------------------------------------------------------
+def _train_forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, chunk_size,
+                   cu_seqlens_cpu):
+    """The forward of the differentiable Triton op; saves what the backward needs on ``ctx``."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk.backward import wants_forward_w
+    from gdn.kernels.chunk.forward import chunk_gated_delta_rule_fwd
+
+    # Ainv (tensor-core dtype, [B, T, HV, 64]), the chunk-local gate cumsum and k's L2 row scalings are kept for
+    # the backward (as fla keeps A), and with the tuning field chunk_fwd.bwd_save_states (default) the chunk
+    # states h and v_new too: the backward then recomputes only W (else also the chunk states); on sm_90 the
+    # prepare stores W as well where the backward's reverse pass does not form it itself (chunk_bwd.w_from_forward)
+    keep = bool(tuning.chunk_fwd(q.device).bwd_save_states)
+    o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                            cu_seqlens, chunk_size, l2, state_layout="v_last",
+                                            store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu, return_states=keep,
+                                            keep_w=lambda ci: wants_forward_w(q, k, v, ci))
+    keep = keep and aux["h"] is not None
+    # W is read by the backward's reverse pass only: held here, not in saved_tensors, so that the backward can drop
+    # it before its last kernel (the parts kernel), where the memory of a training step peaks
+    ctx.w = aux["w"]
+    ctx.scale = scale
+    ctx.chunk_size = chunk_size
+    ctx.chunk_index = aux["chunk_index"]
+    ctx.l2 = l2
+    ctx.set_materialize_grads(False)
+    return o, ht, (g, beta, initial_state, cu_seqlens, aux["g_cum"], aux["ainv"], aux["rk"], aux["rq"],
+                   aux["h"] if keep else None, aux["v_new"] if keep else None)
+
+
+def _train_backward(ctx, q, k, v, saved, do, dht, out=None):
+    """``(dq, dk, dv, dg, dbeta, dh0)`` of the differentiable Triton op (``out``: dq, dk, dv to write into)."""
+    from gdn.kernels.chunk.backward import chunk_gated_delta_rule_bwd
+
+    g, beta, h0, cu_seqlens, g_cum, ainv, rk, rq, h, v_new = saved
+    if do is None:
+        do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    # W popped into the call (no reference left here or on ctx): the backward frees it after the reverse pass
+    return chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, cu_seqlens, ctx.chunk_size, ctx.l2, do, dht,
+                                      g_cum=g_cum, ainv=ainv, rk=rk, rq=rq, h=h, v_new=v_new,
+                                      w=ctx.__dict__.pop("w", None), chunk_index=ctx.chunk_index, out=out)
+
+
 class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     """Differentiable Triton op. States here are fp32 in v_last order ([N, HV, K, V]); layout conversion happens in
     :func:`chunk_gated_delta_rule`."""
@@ -165,46 +207,75 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
                 chunk_size, cu_seqlens_cpu=None):
-        from gdn.kernels import tuning
-        from gdn.kernels.chunk.forward import chunk_gated_delta_rule_fwd
-
-        # Ainv (tensor-core dtype, [B, T, HV, 64]), the chunk-local gate cumsum and k's L2 row scalings are kept for
-        # the backward (as fla keeps A), and with the tuning field chunk_fwd.bwd_save_states (default) the chunk
-        # states h and v_new too: the backward then recomputes only W (else also the chunk states); on sm_90 the
-        # prepare stores W as well where the backward's reverse pass does not form it itself (chunk_bwd.w_from_forward)
-        from gdn.kernels.chunk.backward import wants_forward_w
-
-        keep = bool(tuning.chunk_fwd(q.device).bwd_save_states)
-        o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                                cu_seqlens, chunk_size, use_qk_l2norm_in_kernel, state_layout="v_last",
-                                                store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu, return_states=keep,
-                                                keep_w=lambda ci: wants_forward_w(q, k, v, ci))
-        keep = keep and aux["h"] is not None
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, aux["g_cum"], aux["ainv"],
-                              aux["rk"], aux["rq"], aux["h"] if keep else None, aux["v_new"] if keep else None,
-                              aux["w"])
-        ctx.scale = scale
-        ctx.chunk_size = chunk_size
-        ctx.chunk_index = aux["chunk_index"]
-        ctx.l2 = use_qk_l2norm_in_kernel
-        ctx.set_materialize_grads(False)
+        o, ht, saved = _train_forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                      use_qk_l2norm_in_kernel, chunk_size, cu_seqlens_cpu)
+        ctx.save_for_backward(q, k, v, *saved)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        try:
-            from gdn.kernels.chunk.backward import chunk_gated_delta_rule_bwd
-        except ImportError as e:  # pragma: no cover - until the backward kernels land
-            raise NotImplementedError("chunk_gated_delta_rule backward kernels (gdn.kernels.chunk.backward) are not "
-                                      "available") from e
-        q, k, v, g, beta, h0, cu_seqlens, g_cum, ainv, rk, rq, h, v_new, w = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, cu_seqlens,
-                                                                ctx.chunk_size, ctx.l2, do, dht, g_cum=g_cum,
-                                                                ainv=ainv, rk=rk, rq=rq, h=h, v_new=v_new, w=w,
-                                                                chunk_index=ctx.chunk_index)
+        q, k, v, *saved = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = _train_backward(ctx, q, k, v, saved, do, dht)
         return dq, dk, dv, dg, dbeta, None, dh0, None, None, None, None, None
+
+
+def split_packed_qkv(qkv: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int):
+    """Views q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` of a packed ``qkv [B, T, 2 H K + HV V]`` (q | k | v
+    along the last dim, e.g. a causal conv's output)."""
+    kd = num_k_heads * head_k_dim
+    q, k, v = qkv[..., :kd], qkv[..., kd:2 * kd], qkv[..., 2 * kd:]
+    return (q.unflatten(-1, (num_k_heads, head_k_dim)), k.unflatten(-1, (num_k_heads, head_k_dim)),
+            v.unflatten(-1, (num_v_heads, head_v_dim)))
+
+
+class ChunkGatedDeltaRulePackedFunction(torch.autograd.Function):
+    """The differentiable Triton op on a packed ``qkv [B, T, 2 H K + HV V]``: its backward writes dq, dk, dv
+    straight into one packed gradient (the sm_90 parts kernel stores at the packed row stride), where split views
+    of qkv would have autograd concatenate three separate gradients."""
+
+    @staticmethod
+    def forward(ctx, qkv, dims, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm_in_kernel, chunk_size, cu_seqlens_cpu=None):
+        q, k, v = split_packed_qkv(qkv, *dims)
+        o, ht, saved = _train_forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                      use_qk_l2norm_in_kernel, chunk_size, cu_seqlens_cpu)
+        ctx.dims = dims
+        ctx.save_for_backward(qkv, *saved)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        qkv, *saved = ctx.saved_tensors
+        q, k, v = split_packed_qkv(qkv, *ctx.dims)
+        dqkv = torch.empty_like(qkv, memory_format=torch.contiguous_format)
+        out = split_packed_qkv(dqkv, *ctx.dims)
+        _, _, _, dg, dbeta, dh0 = _train_backward(ctx, q, k, v, saved, do, dht, out=out)
+        return dqkv, None, dg, dbeta, None, dh0, None, None, None, None, None
+
+
+def chunk_gated_delta_rule_packed(qkv, num_k_heads, head_k_dim, num_v_heads, head_v_dim, g, beta, scale=None,
+                                  cu_seqlens=None, use_qk_l2norm_in_kernel=False, *, chunk_size=64,
+                                  cu_seqlens_cpu=None):
+    """:func:`chunk_gated_delta_rule` on a packed ``qkv [B, T, 2 H K + HV V]`` (q | k | v along the last dim; no
+    initial or final state): ``o [B, T, HV, V]``. Same validation and result as the public op on the split views;
+    where the Triton backward runs, its gradient of qkv is written as one tensor (no concatenation)."""
+    V_.tensor("qkv", qkv, ndim=3, dtypes=V_.FLOAT_DTYPES, shape_doc="[B, T, 2 H K + HV V]")
+    dims = tuple(int(x) for x in (num_k_heads, head_k_dim, num_v_heads, head_v_dim))
+    if min(dims) < 1 or qkv.shape[-1] != 2 * dims[0] * dims[1] + dims[2] * dims[3]:
+        raise ValueError(f"qkv: last dim {qkv.shape[-1]} is not 2 H K + HV V for (H, K, HV, V) = {dims}")
+    q, k, v = split_packed_qkv(qkv, *dims)
+    if not (use_triton(qkv.device) and _needs_grad(qkv, g, beta)) or torch.compiler.is_compiling():
+        return chunk_gated_delta_rule(q, k, v, g, beta, scale, cu_seqlens=cu_seqlens,
+                                      use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, chunk_size=chunk_size,
+                                      cu_seqlens_cpu=cu_seqlens_cpu)[0]
+    cu_host = V_.cu_seqlens_host("cu_seqlens_cpu", cu_seqlens_cpu, cu_seqlens)
+    scale, _, _ = _validate(q, k, v, g, beta, scale, None, False, cu_seqlens if cu_host is None else
+                            (cu_seqlens, cu_host), use_qk_l2norm_in_kernel, "v_last", None, chunk_size)
+    _validate_triton_limits(q, v)
+    if beta is None:
+        beta = torch.ones((), dtype=torch.float32, device=q.device).expand(g.shape)
+    return ChunkGatedDeltaRulePackedFunction.apply(qkv, dims, g, beta, scale, None, False, cu_seqlens,
+                                                   bool(use_qk_l2norm_in_kernel), chunk_size, cu_host)[0]
 
 
 def _triton_path(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, l2, layout, idx, chunk_size,
@@ -299,4 +370,5 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
                         bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size, cu_host, **extra)
 
 
-__all__ = ["chunk_gated_delta_rule", "ChunkGatedDeltaRuleFunction"]
+__all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_packed", "ChunkGatedDeltaRuleFunction",
+           "ChunkGatedDeltaRulePackedFunction", "split_packed_qkv"]

@@ -120,7 +120,8 @@ def wants_forward_w(q, k, v, ci) -> bool:
 
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                                use_qk_l2norm_in_kernel, do, dht, *, g_cum=None, ainv=None, w=None, u=None,
-                               h=None, v_new=None, segment_chunks=None, rq=None, rk=None, chunk_index=None):
+                               h=None, v_new=None, segment_chunks=None, rq=None, rk=None, chunk_index=None,
+                               out=None):
     """Gradients of ``chunk_gated_delta_rule`` (v_last states). Returns ``(dq, dk, dv, dg, dbeta, dh0)``.
 
     q, k [B, T, H, K] (strided, last dim contiguous); v [B, T, HV, V]; g, beta [B, T, HV]; initial_state None or
@@ -137,6 +138,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     ``rk``, as returned by gdn.kernels.chunk.forward) to skip their recomputation.
     ``segment_chunks``: reverse-pass segmentation (None heuristic, -1 off, n chunks per segment).
     ``chunk_index``: the forward's chunk tables (saves reading cu_seqlens on the host again).
+    ``out``: (dq, dk, dv) to write into, e.g. views of one packed gradient of q|k|v (:func:`parts.chunk_bwd_main`).
     """
     B, T, H, K = q.shape
     C = int(chunk_size)
@@ -198,7 +200,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
         cur.wait_stream(side)
     del w, u  # peak memory: not needed by the last kernel
     dq, dk, dv, dbeta, dg = chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_seqlens, C,
-                                           l2, g_dtype=g.dtype, chunk_index=ci, rq=rq, rk=rk)
+                                           l2, g_dtype=g.dtype, chunk_index=ci, rq=rq, rk=rk, out=out)
     return dq, dk, dv, dg, dbeta, dh0
 
 

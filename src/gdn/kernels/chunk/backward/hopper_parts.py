@@ -106,16 +106,18 @@ if G.AVAILABLE:
     @gluon.jit
     def _bwd_parts_sm90_kernel(
         q_desc, k_desc, do_desc, vn_desc, dvn_desc, v_desc, ai_desc, h_desc, gs_desc,
-        gcum, beta, rq_in, rk_in, dq_v, dk_v, dq_o, dk_o, counts, dv, dbeta, dg, cu_seqlens, chunk_indices, scale, T,
-        H: gl.constexpr, HV: gl.constexpr, D: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
-        num_warps: gl.constexpr,
+        gcum, beta, rq_in, rk_in, dq_v, dk_v, dq_o, dk_o, counts, slot_head, n_groups, dv, dbeta, dg, cu_seqlens,
+        chunk_indices, scale, T, s_dq, s_dk, s_dv, H: gl.constexpr, HV: gl.constexpr, D: gl.constexpr,
+        USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, num_warps: gl.constexpr,
     ):
         """Parts A and B of one (chunk, value head) (module docstring); D = K = V; program id = chunk * HV + value
-        head (a key head's value heads side by side). The final dq, dk [B*T, H, K] go to dq_o, dk_o (the GVA sum,
-        the scale and the L2-norm backward done here): with HV = H straight from the fp32 dQ, dK; with HV > H each
-        value head's dQ, dK go to its slot of dq_v, dk_v [B*T, HV, K], ``counts[chunk * H + key head]`` (int32,
-        zero at launch) counts the finished value heads of the group (acq_rel atomics), and the last to finish sums
-        the group's slots in value-head order (so the result does not depend on which one is last)."""
+        head (a key head's value heads side by side). The final dq, dk [B*T, H, K] (token rows s_dq / s_dk elements
+        apart, heads dense; dv's rows s_dv apart: views of one packed gradient allowed) go to dq_o, dk_o (the GVA sum,
+        the scale and the L2-norm backward done here): with HV = H straight from the fp32 dQ, dK; with HV > H
+        through GR - 1 slots per (chunk, key head) group in dq_v, dk_v [B*T, H * (GR - 1), K], taken by tickets:
+        ``counts`` (int32, zero at launch) holds the tickets of the n_groups = NT * H groups, then their done counts;
+        ``slot_head`` [n_groups * (GR - 1)] the value head (in its group) of each written slot; the last of a group
+        sums its value heads in value-head order (so the result does not depend on which one is last)."""
         C: gl.constexpr = 64
         GR: gl.constexpr = HV // H
         pid = gl.program_id(0)
@@ -244,15 +246,14 @@ if G.AVAILABLE:
         dq = warpgroup_mma_wait(2, deps=[t_dq])
         if GR == 1:
             dq = _l2_backward(dq, q_s, rq_in, tok_d, m_d, i_h, scale, H, LD, USE_L2)
-            gl.store(dq_o + (tok_d * H + i_h)[:, None] * D + o_d[None, :], dq.to(dq_o.dtype.element_ty), mask=m_dd)
-        else:
-            gl.store(dq_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dq.to(dq_v.dtype.element_ty),
+            gl.store(dq_o + (tok_d * s_dq + i_h * D)[:, None] + o_d[None, :], dq.to(dq_o.dtype.element_ty),
                      mask=m_dd)
-            # and a copy in dO's tile (its last readers, dO Vn^T / dO H^T / Vn dO^T, were waited for before the
-            # barrier above): the last of the group sums its own dQ from here instead of reading its slot back
+        else:
+            # kept in dO's tile (its last readers, dO Vn^T / dO H^T / Vn dO^T, were waited for before the barrier
+            # above) until the group's fold at the end
             do_s.store(dq.to(dt))
         dvb = warpgroup_mma_wait(1, deps=[t_dvb])
-        gl.store(dv + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :],
+        gl.store(dv + (tok_d * s_dv + i_hv * D)[:, None] + o_d[None, :],
                  (dvb * _vec(rv_s, 1, rd)[:, None]).to(dv.dtype.element_ty), mask=m_dd)
         db = gl.sum(dvb * v_s.load(LD).to(gl.float32), axis=1)
         x_s.store(dvb.to(dt))
@@ -305,35 +306,52 @@ if G.AVAILABLE:
         dk = warpgroup_mma_wait(0, deps=[t_acc])
         if GR == 1:
             dk = _l2_backward(dk, k_s, rk_in, tok_d, m_d, i_h, 1.0, H, LD, USE_L2)
-            gl.store(dk_o + (tok_d * H + i_h)[:, None] * D + o_d[None, :], dk.to(dk_o.dtype.element_ty), mask=m_dd)
-        else:
-            gl.store(dk_v + (tok_d * HV + i_hv)[:, None] * D + o_d[None, :], dk.to(dk_v.dtype.element_ty),
+            gl.store(dk_o + (tok_d * s_dk + i_h * D)[:, None] + o_d[None, :], dk.to(dk_o.dtype.element_ty),
                      mask=m_dd)
-            # every thread's dQ / dK stores before the count (bar.sync, then one acq_rel gpu-scope atomic: the
-            # cooperative-groups grid-sync pattern); the last of the group reads the others' slots past L1 (.cg)
-            # and takes its own dQ from dO's tile, its own dK from registers (the values its slots hold)
-            cta_barrier()
-            arrived = gl.atomic_add(counts + i_t * H + i_h, 1, sem="acq_rel", scope="gpu")
-            if arrived == GR - 1:
+        else:
+            # the GVA fold by tickets: the first GR - 1 value heads of the group to get here write their dQ / dK
+            # into slot (ticket) and the slot's value head into ``slot_head``, then count themselves done (all
+            # threads' stores, bar.sync, one release atomic: the cooperative-groups grid-sync pattern); the last
+            # spins on that count (it waits only for CTAs that hold tickets, so are running and wait for nothing),
+            # reads the slots past L1 (.cg) and sums the group in value-head order (bitwise the same whichever is
+            # last), its own dQ from dO's tile, its own dK from registers. GR - 1 slots per group, not GR.
+            SL: gl.constexpr = GR - 1
+            grp = i_t * H + i_h
+            ticket = gl.atomic_add(counts + grp, 1, sem="relaxed", scope="gpu")
+            if ticket < SL:
+                p_t = (tok_d * (H * SL) + i_h * SL + ticket)[:, None] * D + o_d[None, :]
+                gl.store(dq_v + p_t, do_s.load(LD), mask=m_dd)
+                gl.store(dk_v + p_t, dk.to(dk_v.dtype.element_ty), mask=m_dd)
+                gl.store(slot_head + grp * SL + ticket, i_hv - i_h * GR)
+                cta_barrier()
+                gl.atomic_add(counts + n_groups + grp, 1, sem="release", scope="gpu")
+            else:
+                done = gl.atomic_add(counts + n_groups + grp, 0, sem="acquire", scope="gpu")
+                while done < SL:
+                    done = gl.atomic_add(counts + n_groups + grp, 0, sem="acquire", scope="gpu")
                 cta_barrier()
                 sq = zd
                 sk = zd
                 for j in gl.static_range(GR):
-                    mine = i_h * GR + j == i_hv
-                    p_j = (tok_d * HV + i_h * GR + j)[:, None] * D + o_d[None, :]
-                    m_j = m_dd & (i_h * GR + j != i_hv)
-                    lq = gl.load(dq_v + p_j, mask=m_j, other=0.0, cache_modifier=".cg").to(gl.float32)
-                    lk = gl.load(dk_v + p_j, mask=m_j, other=0.0, cache_modifier=".cg").to(gl.float32)
-                    if mine:
+                    if i_hv - i_h * GR == j:
                         lq = gl.where(m_dd, do_s.load(LD).to(gl.float32), 0.0)
                         lk = gl.where(m_dd, dk.to(dk_v.dtype.element_ty).to(gl.float32), 0.0)
+                    else:
+                        lq = zd
+                        lk = zd
+                        for t in gl.static_range(SL):
+                            m_t = m_dd & (gl.load(slot_head + grp * SL + t, cache_modifier=".cg") == j)
+                            p_t = (tok_d * (H * SL) + i_h * SL + t)[:, None] * D + o_d[None, :]
+                            lq += gl.load(dq_v + p_t, mask=m_t, other=0.0, cache_modifier=".cg").to(gl.float32)
+                            lk += gl.load(dk_v + p_t, mask=m_t, other=0.0, cache_modifier=".cg").to(gl.float32)
                     sq += lq
                     sk += lk
-                p_o = (tok_d * H + i_h)[:, None] * D + o_d[None, :]
                 sq = _l2_backward(sq, q_s, rq_in, tok_d, m_d, i_h, scale, H, LD, USE_L2)
-                gl.store(dq_o + p_o, sq.to(dq_o.dtype.element_ty), mask=m_dd)
+                gl.store(dq_o + (tok_d * s_dq + i_h * D)[:, None] + o_d[None, :], sq.to(dq_o.dtype.element_ty),
+                         mask=m_dd)
                 sk = _l2_backward(sk, k_s, rk_in, tok_d, m_d, i_h, 1.0, H, LD, USE_L2)
-                gl.store(dk_o + p_o, sk.to(dk_o.dtype.element_ty), mask=m_dd)
+                gl.store(dk_o + (tok_d * s_dk + i_h * D)[:, None] + o_d[None, :], sk.to(dk_o.dtype.element_ty),
+                         mask=m_dd)
         mbarrier.invalidate(bars.index(0))
         mbarrier.invalidate(bars.index(1))
 
@@ -352,16 +370,34 @@ def supported(q, k, v, do, v_new, dvn, ainv, h, gs, K: int, V: int) -> bool:
     return _rows2d_ok(q) and _rows2d_ok(k) and _rows2d_ok(v) and _rows2d_ok(do)
 
 
+def token_rows_ok(x: torch.Tensor) -> bool:
+    """Whether the kernel can write the gradient x [B, T, heads, D] in place: heads dense and contiguous rows of
+    one token, token rows at one stride across the batch (a view of a packed [B, T, channels] gradient qualifies)."""
+    B, T, Hh, D = x.shape
+    st = x.stride()
+    return st[3] == 1 and st[2] == D and (B == 1 or st[0] == T * st[1])
+
+
+def _row_stride(x: torch.Tensor) -> int:
+    return x.stride(1) if x.shape[1] > 1 or x.shape[0] == 1 else x.stride(0)
+
+
 def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, dk, dv, dbeta, dg, cu_seqlens,
-                 chunk_indices, NT, scale, *, use_l2, scratch=None):
+                 chunk_indices, NT, scale, *, use_l2):
     """Launch the sm_90 parts kernel over NT x HV programs (``supported`` must have said yes); tensors as
     ``parts.chunk_bwd_main``'s (beta contiguous [B, T, HV]). It writes the final dq, dk (q's and k's dtypes; no
-    q/k kernel runs after it); with HV > H it needs ``scratch``, dQ / dK per value head [B, T, HV, K] (any float
-    dtypes), through which the value heads of a key head are summed."""
+    q/k kernel runs after it; dq, dk, dv may be strided views that pass :func:`token_rows_ok`); with HV > H it
+    allocates the slots through which the value heads of a key head are summed (GR - 1 per group)."""
     B, T, H, K = q.shape
     HV = v.shape[2]
-    dq_v, dk_v = scratch if HV > H else (dq, dk)
-    counts = torch.zeros(NT * H, dtype=torch.int32, device=q.device) if HV > H else g_cum   # g_cum: not read
+    if HV > H:   # the GVA fold's slots (GR - 1 per group: dQ in the dot dtype, dK fp32), tickets and done counts
+        SL = HV // H - 1
+        dq_v = torch.empty(B * T, H * SL, K, dtype=v_new.dtype, device=q.device)
+        dk_v = torch.empty(B * T, H * SL, K, dtype=torch.float32, device=q.device)
+        counts = torch.zeros(2 * NT * H, dtype=torch.int32, device=q.device)
+        slot_head = torch.empty(NT * H * SL, dtype=torch.int32, device=q.device)
+    else:        # not read
+        dq_v, dk_v, counts, slot_head = dq, dk, g_cum, g_cum
     dn = _GL_DT[k.dtype]
     row = lambda x: _desc(_rows2d(x), (CHUNK, K), dn)   # noqa: E731
     flat = lambda x, w: _desc(x.view(B * T, -1), (CHUNK, w), dn)   # noqa: E731
@@ -369,9 +405,10 @@ def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, 
     launch(_bwd_parts_sm90_kernel, (NT * HV,),
         row(q), row(k), row(do), flat(v_new, K), flat(dvn, K), row(v), flat(ainv, CHUNK),
         _desc(h.view(-1, K), (K, K), dn), _desc(gs.view(-1, K), (K, K), dn),
-        g_cum, beta, rq if rq is not None else ph, rk if rk is not None else ph, dq_v, dk_v, dq, dk, counts, dv,
-        dbeta, dg, cu_seqlens if cu_seqlens is not None else chunk_indices, chunk_indices, float(scale), T,
-        H=H, HV=HV, D=K, USE_L2=use_l2, IS_VARLEN=cu_seqlens is not None, num_warps=8)
+        g_cum, beta, rq if rq is not None else ph, rk if rk is not None else ph, dq_v, dk_v, dq, dk, counts,
+        slot_head, NT * H, dv, dbeta, dg, cu_seqlens if cu_seqlens is not None else chunk_indices, chunk_indices,
+        float(scale), T, _row_stride(dq), _row_stride(dk), _row_stride(dv), H=H, HV=HV, D=K, USE_L2=use_l2,
+        IS_VARLEN=cu_seqlens is not None, num_warps=8)
 
 
-__all__ = ["supported", "launch_parts"]
+__all__ = ["supported", "launch_parts", "token_rows_ok"]

@@ -267,28 +267,33 @@ def chunk_bwd_qk_kernel(
 
 
 def _qk_scratch(B, T, HV, K, dq_dtype, dk_dtype, dev):
-    """dQ (dot dtype) and dK (accumulator dtype) per value head [B, T, HV, K], summed by the q/k kernel
-    (on sm_90 by the last value head of each key head's group in the parts kernel)."""
+    """dQ (dot dtype) and dK (accumulator dtype) per value head [B, T, HV, K], summed by the q/k kernel."""
     return (torch.empty(B, T, HV, K, dtype=dq_dtype, device=dev), torch.empty(B, T, HV, K, dtype=dk_dtype, device=dev))
 
 
 def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_seqlens, chunk_size,
-                   use_qk_l2norm_in_kernel, *, g_dtype=None, chunk_index=None, rq=None, rk=None):
+                   use_qk_l2norm_in_kernel, *, g_dtype=None, chunk_index=None, rq=None, rk=None, out=None):
     """Parallel per-chunk gradients: kernel A (output/state terms, per value head and side), kernel B (WY terms:
     dv, dbeta, dg, dk terms) -- on sm_90 both as one Gluon kernel (``hopper_parts``, ``chunk_bwd.parts_sm90``) --,
     then the q/k kernel (GVA sum, L2-norm backward; the sm_90 Gluon kernel does that part itself).
     Returns ``(dq, dk, dv, dbeta, dg)`` in the dtypes of q, k, v, beta and ``g_dtype`` (default g_cum's).
     ``v_new``'s dtype is the dot operand dtype. Scratch: dQ per value head [B, T, HV, K] (dot dtype), dK per value
-    head (fp32), and for the portable pair four dg / dbeta slots [4, B, T, HV] (fp32)."""
+    head (fp32), and for the portable pair four dg / dbeta slots [4, B, T, HV] (fp32); on sm_90 the parts kernel's
+    own GVA slots (``hopper_parts.launch_parts``).
+    ``out``: (dq, dk, dv) to write into (shapes and dtypes of q, k, v; e.g. views of one packed gradient of
+    q|k|v): the sm_90 kernel writes them in place, the portable kernels into fresh tensors that are then copied."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     C = int(chunk_size)
     dev = q.device
     ci = chunk_index if chunk_index is not None else prepare_chunk_indices(cu_seqlens, T, C, B, device=dev)
     NT = ci.NT
-    dq = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
-    dk = torch.empty(B, T, H, K, dtype=k.dtype, device=dev)
-    dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    if out is None:
+        dq = torch.empty(B, T, H, K, dtype=q.dtype, device=dev)
+        dk = torch.empty(B, T, H, K, dtype=k.dtype, device=dev)
+        dv = torch.empty(B, T, HV, V, dtype=v.dtype, device=dev)
+    else:
+        dq, dk, dv = out
     dbeta = torch.empty(B, T, HV, dtype=beta.dtype, device=dev)
     dg = torch.empty(B, T, HV, dtype=g_dtype or g_cum.dtype, device=dev)
     if NT == 0 or H == 0:
@@ -305,12 +310,18 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
     cfg = tuning.chunk_bwd(dev)
     beta = beta.contiguous()
     ainv = ainv.contiguous()
-    if cfg.parts_sm90 and hopper_parts.supported(q, k, v, do, v_new, dvn, ainv, h, gs, K, V):
-        # the kernel finishes dq, dk itself (no q/k kernel); with GVA through per-value-head scratch
-        scratch = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev) if HV > H else None
+    if cfg.parts_sm90 and hopper_parts.supported(q, k, v, do, v_new, dvn, ainv, h, gs, K, V) \
+            and all(hopper_parts.token_rows_ok(x) for x in (dq, dk, dv)):
+        # the kernel finishes dq, dk itself (no q/k kernel; with GVA through slots it allocates)
         hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, dk, dv, dbeta, dg,
-                                  cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2, scratch=scratch)
+                                  cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2)
         return dq, dk, dv, dbeta, dg
+    if out is not None:   # the portable kernels write contiguous [B*T, heads, D] rows
+        res = chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_seqlens, chunk_size,
+                             use_qk_l2norm_in_kernel, g_dtype=g_dtype, chunk_index=ci, rq=rq, rk=rk)
+        for o, r in zip(out, res):
+            o.copy_(r)
+        return (*out, *res[3:])
     dq_v, dk_v = _qk_scratch(B, T, HV, K, v_new.dtype, acc_t, dev)
     dg_part = torch.empty(4, B, T, HV, dtype=acc_t, device=dev)
     mm = dict(V=V, BV=_v_tile(V, dev), MM=_mm_dtype(v_new.dtype), PREC=_dot_precision(v_new.dtype, dev))
