@@ -9,10 +9,12 @@ from gdn.testing import rel_err
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gate_forward_and_backward(dtype):
+@pytest.mark.parametrize("dtype,rows", [(torch.float32, (3, 5)), (torch.bfloat16, (3, 5)), (torch.float32, (4, 300))])
+def test_gate_forward_and_backward(dtype, rows):
+    """(4, 300): 1200 rows, several programs of the backward (and a partial last one) whose per-head partial sums
+    of the A_log / dt_bias gradients are added up after the kernel."""
     HV = 6
-    a = (torch.randn(3, 5, HV, device=DEV) * 8).to(dtype)  # spans softplus's threshold (20) and the far negative side
+    a = (torch.randn(*rows, HV, device=DEV) * 8).to(dtype)  # spans softplus's threshold (20) and the far negative side
     a[0, 0, 0], a[0, 0, 1] = 25.0, -40.0
     A_log = torch.randn(HV, device=DEV)
     dt_bias = torch.randn(HV, device=DEV)

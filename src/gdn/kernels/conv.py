@@ -300,16 +300,23 @@ def causal_conv1d_bwd_kernel(
     HAS_BIAS: tl.constexpr, ACT: tl.constexpr, HAS_STATE: tl.constexpr, HAS_IDX: tl.constexpr,
     VARLEN: tl.constexpr, CD: tl.constexpr,
 ):
-    """dw_ptr: [G, 4, D] partial sums by lag (zero-initialised); db_ptr: [G, D]."""
+    """dw_ptr: [G, W, D] partial sums of every program (the tap of lag l in row W - 1 - l: the weight's column
+    order); db_ptr: [G, D]. Every program writes its rows, zeros where it has no tokens."""
     pid_p = tl.program_id(0)
     pid_d = tl.program_id(1)
     n, c, bi, s, e = _sequence(pid_p, cu_ptr, N, T, NCH, BT, BLOCK_N, VARLEN)
+    offs_d = pid_d * BD + tl.arange(0, BD)
+    md = offs_d < D
+    dwp = dw_ptr + pid_p.to(tl.int64) * (W * D) + offs_d
+    zero = tl.zeros([BD], dtype=CD)
     if n >= N:
+        for l in tl.static_range(W):
+            tl.store(dwp + l * D, zero, mask=md)
+        if HAS_BIAS:
+            tl.store(db_ptr + pid_p.to(tl.int64) * D + offs_d, zero, mask=md)
         return
     c0 = s + c * BT
     c1 = tl.minimum(c0 + BT, e)
-    offs_d = pid_d * BD + tl.arange(0, BD)
-    md = offs_d < D
     x_b = x_ptr + bi.to(tl.int64) * sxb
     dy_b = dy_ptr + bi.to(tl.int64) * sdyb
     dx_b = dx_ptr + bi.to(tl.int64) * sdxb
@@ -324,6 +331,10 @@ def causal_conv1d_bwd_kernel(
             zpad = tl.zeros([BD], dtype=dx_ptr.dtype.element_ty)
             for i in range(0, c1 - c0):
                 tl.store(dx_b + (c0 + i) * sdxt + offs_d, zpad, mask=md)
+            for l in tl.static_range(W):
+                tl.store(dwp + l * D, zero, mask=md)
+            if HAS_BIAS:
+                tl.store(db_ptr + pid_p.to(tl.int64) * D + offs_d, zero, mask=md)
             return
         st_row = st_ptr + slot * ssp
 
@@ -335,7 +346,6 @@ def causal_conv1d_bwd_kernel(
         bias = tl.load(b_ptr + offs_d, mask=md, other=0.0).to(CD)
     else:
         bias = tl.zeros([BD], dtype=CD)
-    zero = tl.zeros([BD], dtype=CD)
 
     # halo: the group of rows [c1, c1 + 4) gives dpre of the 3 rows after the chunk (rows >= e have dy = 0)
     x1 = _ld_hist(x_b, c1 + 1, s, e, sxt, st_row, ssd, ssw, offs_d, md, W >= 3, HAS_STATE, W, BD, CD)
@@ -402,14 +412,13 @@ def causal_conv1d_bwd_kernel(
         q5 = d1
         q6 = d2
 
-    dwp = dw_ptr + pid_p.to(tl.int64) * (4 * D) + offs_d
-    tl.store(dwp, dk0, mask=md)
+    tl.store(dwp + (W - 1) * D, dk0, mask=md)
     if W >= 2:
-        tl.store(dwp + D, dk1, mask=md)
+        tl.store(dwp + (W - 2) * D, dk1, mask=md)
     if W >= 3:
-        tl.store(dwp + 2 * D, dk2, mask=md)
+        tl.store(dwp + (W - 3) * D, dk2, mask=md)
     if W >= 4:
-        tl.store(dwp + 3 * D, dk3, mask=md)
+        tl.store(dwp + (W - 4) * D, dk3, mask=md)
     if HAS_BIAS:
         tl.store(db_ptr + pid_p.to(tl.int64) * D + offs_d, dbs, mask=md)
 
@@ -552,8 +561,8 @@ def conv_bwd(x, weight, bias, dy, activation: bool, cu_seqlens=None, init_state=
     if BT is None:
         BT = _block_t(T, x.device, 1 if varlen else N, cdiv(D, BD), backward=True)
     G, NCH = _grid_time(N, T, BT, varlen, T)
-    dw_part = torch.zeros((G, 4, D), dtype=acc_dt, device=x.device)
-    db_part = torch.zeros((G, D), dtype=acc_dt, device=x.device) if bias is not None else dw_part
+    dw_part = torch.empty((G, W, D), dtype=acc_dt, device=x.device)     # every program writes its rows
+    db_part = torch.empty((G, D), dtype=acc_dt, device=x.device) if bias is not None else dw_part
     has_state = init_state is not None
     st = init_state if has_state else x
     sst = init_state.stride() if has_state else (0, 0, 0)
@@ -570,7 +579,7 @@ def conv_bwd(x, weight, bias, dy, activation: bool, cu_seqlens=None, init_state=
         HAS_STATE=has_state, HAS_IDX=state_indices is not None, VARLEN=varlen, CD=_compute_dtype(x),
         num_warps=num_warps,
     )
-    dk = dw_part.sum(0)[:W]                      # [W (lag), D]
-    dw = dk.flip(0).transpose(0, 1).to(weight.dtype)  # weight[:, W - 1 - l] <- lag l
+    # [W, D] -> the weight's [D, W] (weight[:, W - 1 - l] <- lag l) and dtype in one copy
+    dw = dw_part.sum(0).t().to(weight.dtype, memory_format=torch.contiguous_format)
     db = db_part.sum(0).to(bias.dtype) if bias is not None else None
     return dx, dw, db

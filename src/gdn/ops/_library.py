@@ -37,7 +37,8 @@ def _(a, A_log, dt_bias):
 def gate_bwd(a: Tensor, A_log: Tensor, dt_bias: Tensor, dg: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     from ..kernels.gate import gdn_gate_bwd
 
-    return gdn_gate_bwd(a, A_log, dt_bias, dg)
+    da, dA, ddt = gdn_gate_bwd(a, A_log, dt_bias, dg)
+    return da, dA.clone(), ddt.clone()    # a custom op's outputs may not alias one another
 
 
 @gate_bwd.register_fake
