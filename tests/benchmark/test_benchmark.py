@@ -651,3 +651,21 @@ def test_triton_cache_in_parts(tmp_path):
         (src / f"k{i}" / "k.cubin").unlink()
     assert gs.save_triton_cache(str(src), str(tgz), part_bytes=50000) == 7
     assert sorted(p.name for p in tmp_path.glob("c*.tgz")) == ["c.tgz"]
+
+
+def test_profile_idle_gaps_between_kernels():
+    """gdn profile --layer-train's gap count: idle time between consecutive kernel records (overlapping kernels on
+    two streams are not gaps), the largest first with the kernels around them."""
+    import types
+
+    from gdn.benchmark.profile import _idle_gaps
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def ev(s, e, n, dt=cuda):
+        return types.SimpleNamespace(time_range=types.SimpleNamespace(start=s, end=e), name=n, device_type=dt)
+
+    prof = types.SimpleNamespace(events=lambda: [ev(30, 40, "c"), ev(0, 10, "a"), ev(5, 20, "b"), ev(41, 50, "d"),
+                                                 ev(100, 200, "host", torch.autograd.DeviceType.CPU)])
+    idle, gaps = _idle_gaps(prof)
+    assert idle == 11 and [(g, a, b) for g, a, b in gaps] == [(10, "b", "c"), (1, "c", "d")]

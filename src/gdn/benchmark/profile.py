@@ -5,6 +5,7 @@ layer (``--layer-decode N``). The tool for an A/B of a tuning field::
     gdn profile --shapes 1x32768:16/32,4x4096:16/32 --out $OUT/profile.json
     GDN_TUNE=chunk_fwd.state_stages=3 gdn profile --forward --out $OUT/profile_stages3.json
     gdn profile --layer-decode 256 --state-dtype fp32 --layout v_last --out $OUT/layer_decode.json
+    gdn profile --layer-train 4x4096:16/32 --out $OUT/layer.json    # the layer's forward + backward, idle gaps
     gdn profile --host --forward --shapes 1x8192:16/32,1x8192:8/16 --out $OUT/host.json   # host vs wall per call
 
 Inputs per shape ``NxT:H/HV``: bf16 q/k/v/beta, fp32 g, K = V = 128, L2 norm on, fp32 initial and final state; one
@@ -38,6 +39,21 @@ def _inputs(N, T, H, HV, device, K=128, V=128, seed=0):
     h0 = torch.randn(N, HV, K, V, device=device, generator=g).float() * 0.1
     do = torch.randn(N, T, HV, V, device=device, generator=g).bfloat16()
     return q, k, v, gl, beta, h0, do
+
+
+def _walls(step, iters: int, reps: int = 3):
+    """Wall-clock seconds per call of ``step`` (``iters`` calls between two synchronisations), ``reps`` times."""
+    import time
+
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) / iters)
+    return out
 
 
 def kernel_times(fn, iters: int):
@@ -136,7 +152,7 @@ def host_times(shapes: str, iters: int = 20, forward_only: bool = False, out=Non
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-        host, wall = [], []
+        host = []
         for _ in range(3):
             torch.cuda._sleep(int(2e9))     # ~1 s of GPU time: every call below is enqueued behind it
             t0 = time.perf_counter()
@@ -144,13 +160,7 @@ def host_times(shapes: str, iters: int = 20, forward_only: bool = False, out=Non
                 step()
             host.append((time.perf_counter() - t0) / iters * 1e3)
             torch.cuda.synchronize()
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                step()
-            torch.cuda.synchronize()
-            wall.append((time.perf_counter() - t0) / iters * 1e3)
+        wall = [t * 1e3 for t in _walls(step, iters)]
         row = dict(shape=f"{N}x{T}:{H}/{HV}", mode=mode, host_ms=min(host), wall_ms=min(wall))
         print_fn(f"{row['shape']:>16} {mode:7}  host {row['host_ms']:.3f} ms  wall {row['wall_ms']:.3f} ms"
                  f"{'  (host-bound)' if row['host_ms'] > 0.9 * row['wall_ms'] else ''}")
@@ -209,6 +219,65 @@ def layer_decode(N: int, state_dtype: str = "fp32", layout: str = "v_last", hidd
     return row
 
 
+def _idle_gaps(prof, top: int = 8):
+    """(GPU idle time between consecutive kernels in us, the ``top`` largest gaps as (us, kernel before, kernel
+    after)) of a profile's CUDA kernel records."""
+    ks = sorted(((e.time_range.start, e.time_range.end, e.name[:60]) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda r: r[0])
+    idle, gaps, end, prev = 0.0, [], None, ""
+    for s, e, n in ks:
+        if end is not None and s > end:
+            idle += s - end
+            gaps.append((s - end, prev, n))
+        if end is None or e > end:
+            end, prev = e, n
+    return idle, sorted(gaps, key=lambda r: -r[0])[:top]
+
+
+def layer_train(shape: str, hidden: int = 2048, iters: int = 10, out=None, print_fn=print):
+    """Kernels of one forward + backward of :class:`gdn.layers.GatedDeltaNet` (bf16, ``NxT:H/HV``, K = V = 128,
+    batched input, as ``gdn bench --ops layer`` times it): per-kernel times, their sum, the wall time per call and
+    the GPU's idle time between kernels (host and launch gaps) with the largest gaps."""
+    import json
+
+    from gdn.layers import GatedDeltaNet
+
+    (N, T, H, HV), = parse_shapes(shape)
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(hidden, H, HV, 128, 128, device=dev, dtype=torch.bfloat16).train()
+    x = torch.randn(N, T, hidden, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dout = torch.randn(N, T, hidden, device=dev, dtype=torch.bfloat16)
+    params = [p for p in layer.parameters() if p.requires_grad]
+
+    def step():
+        torch.autograd.grad(layer(x), [x] + params, dout, allow_unused=True)
+
+    ks = kernel_times(step, iters)
+    total = sum(r[1] for r in ks)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    idle, gaps = _idle_gaps(prof)
+    walls = [t * 1e6 for t in _walls(step, iters)]
+    peak = torch.cuda.max_memory_allocated(dev) / 1e6
+    print_fn(f"\n== layer fwd+bwd {shape} hidden {hidden}: wall {min(walls):.1f} us per call (of {walls}), sum of "
+             f"kernels {total:.1f} us, GPU idle between kernels {idle / iters:.1f} us per call; peak {peak:.0f} MB")
+    for n, t, c in ks:
+        print_fn(f"  {t:9.1f} us  x{c:4.1f}  {n}")
+    print_fn("  largest gaps (us, kernel before -> after):")
+    for g, a, b in gaps:
+        print_fn(f"    {g:8.1f}  {a} -> {b}")
+    row = dict(op="layer", shape=shape, hidden=hidden, wall_us=min(walls), walls_us=walls, total_us=total,
+               idle_us=idle / iters, peak_MB=peak, gaps=[dict(us=g, before=a, after=b) for g, a, b in gaps],
+               kernels=[dict(name=n, us=t, calls=c) for n, t, c in ks])
+    if out:
+        with open(out, "w") as f:
+            json.dump(row, f, indent=1)
+    return row
+
+
 def add_arguments(p):
     p.add_argument("--shapes", default="1x32768:16/32,4x4096:16/32", help="NxT:H/HV, comma-separated")
     p.add_argument("--iters", type=int, default=5)
@@ -219,12 +288,16 @@ def add_arguments(p):
                    help="host time per call (GPU held busy) and wall time per call, varlen as engines call it")
     p.add_argument("--layer-decode", type=int, default=0, metavar="N",
                    help="profile one cached decode step of the GatedDeltaNet layer for N sequences instead")
+    p.add_argument("--layer-train", default=None, metavar="NxT:H/HV",
+                   help="profile one forward + backward of the GatedDeltaNet layer (hidden 2048, bf16) instead")
     p.add_argument("--state-dtype", choices=("fp32", "bf16"), default="fp32", help="--layer-decode: state dtype")
     p.add_argument("--layout", choices=("v_last", "k_last"), default="v_last", help="--layer-decode: state layout")
 
 
 def main(args) -> int:
-    if args.layer_decode:
+    if args.layer_train:
+        layer_train(args.layer_train, iters=max(args.iters, 10), out=args.out)
+    elif args.layer_decode:
         layer_decode(args.layer_decode, args.state_dtype, args.layout, iters=max(args.iters, 20), out=args.out)
     elif args.host:
         host_times(args.shapes, max(args.iters, 10), args.forward, args.out)
@@ -233,4 +306,4 @@ def main(args) -> int:
     return 0
 
 
-__all__ = ["run", "host_times", "layer_decode", "kernel_times", "parse_shapes", "add_arguments", "main"]
+__all__ = ["run", "host_times", "layer_decode", "layer_train", "kernel_times", "parse_shapes", "add_arguments", "main"]
