@@ -460,13 +460,15 @@ def _block_d(D: int, elem_size: int, device, vec_bytes: int = 16, warps: int = 2
 
 
 def _block_t(T_hint: int, device, n_seq: int = 1, n_dblocks: int = 1, backward: bool = False) -> int:
-    """Chunk length along time (a multiple of GROUP): 64 (128 in the backward), halved down to 16 while the grid
-    would have fewer than 16 programs per SM (small D or few tokens: more, shorter chunks keep HBM busy)."""
+    """Chunk length along time (a multiple of GROUP): 64 (256 in the backward), halved down to 16 while the grid
+    would have fewer than 16 (backward: 8) programs per SM (small D or few tokens: more, shorter chunks keep HBM
+    busy). The backward's pair from an H100 sweep (``bench/NOTES.md``): faster than 128 / 16 on every shape measured,
+    e.g. 4 x 4096 x 8192 channels 370 -> 353 us, 1 x 8192 210 -> 191, 1 x 32768 679 -> 662."""
     if device.type != "cuda":
         bt = 16
     else:
-        bt = 128 if backward else 64
-        target = 16 * _num_sms(device)
+        bt = 256 if backward else 64
+        target = (8 if backward else 16) * _num_sms(device)
         while bt > 16 and n_seq * cdiv(max(T_hint, 1), bt) * n_dblocks < target:
             bt //= 2
     return max(GROUP, min(bt, -(-max(T_hint, 1) // GROUP) * GROUP))
