@@ -715,3 +715,46 @@ def test_forward_w_dispatch_sm90(monkeypatch):
         assert not wants(1, 8192, 32)
     x = torch.empty(1, 64, 1, 16)
     assert not wants_forward_w(x, x, x, prepare_chunk_indices(None, 64, 64, 1))
+
+
+def test_op_releases_forward_w_and_backward_twice(monkeypatch):
+    """Where the training forward keeps W (on sm_90; emulated here by adding the recomputed W to the forward's aux),
+    the op's backward takes it off ctx (so it can be freed before the last kernel): the gradients equal those of
+    the backward that recomputes W, and a second backward through the retained graph (W gone: recomputed) gives
+    the same gradients."""
+    from gdn.kernels.chunk import forward as fwd_mod
+    from gdn.kernels.chunk import recompute_w_u
+    from gdn.ops import chunk_gated_delta_rule
+
+    real = fwd_mod.chunk_gated_delta_rule_fwd
+    kept = []
+
+    def with_w(*a, **kw):
+        o, ht, aux = real(*a, **kw)
+        if kw.get("keep_w"):
+            q, k, v, g, beta = a[:5]
+            aux["w"] = recompute_w_u(k, v, beta, aux["ainv"], aux["g_cum"], a[8], a[9], a[10],
+                                     chunk_index=aux["chunk_index"], store_u=False)[0]
+            kept.append(aux["w"])
+        return o, ht, aux
+
+    lens = [1, 63, 65, 130]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    T = int(cu[-1])
+    x, _, do, _ = _inputs(1, T, 1, 2, 16, 16, N=len(lens))
+    grads = []
+    for keep in (False, True):
+        if keep:
+            monkeypatch.setattr(fwd_mod, "chunk_gated_delta_rule_fwd", with_w)
+        leaves = [t.clone().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta)]
+        o, _ = chunk_gated_delta_rule(*leaves, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+        assert (getattr(o.grad_fn, "w", None) is not None) == keep      # held on ctx, not in saved_tensors
+        first = torch.autograd.grad(o, leaves, do, retain_graph=True)
+        if keep:
+            assert len(kept) == 1 and not hasattr(o.grad_fn, "w")
+            again = torch.autograd.grad(o, leaves, do)
+            for a, b in zip(first, again):
+                assert torch.equal(a, b)
+        grads.append(first)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
