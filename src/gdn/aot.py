@@ -432,7 +432,8 @@ def compile_hopper_parts(K=128, dtype=None, **flags):
                 gs_desc=m._desc(hh, (K, K), dn), gcum=f32, beta=torch.empty(4, dtype=dt), rq_in=f32, rk_in=f32,
                 dq_v=torch.empty(4, dtype=dt), dk_v=f32, dq_o=torch.empty(4, dtype=dt), dk_o=torch.empty(4, dtype=dt),
                 counts=i32, slot_head=i32, n_groups=8 * H, dv=torch.empty(4, dtype=dt),
-                dbeta=torch.empty(4, dtype=dt), dg=f32, cu_seqlens=i32, chunk_indices=i32, scale=0.5, T=T, s_dq=H * K, s_dk=H * K, s_dv=HV * K)
+                dbeta=torch.empty(4, dtype=dt), dg=f32, cu_seqlens=i32, chunk_indices=i32, scale=0.5, T=T,
+                s_dq=H * K, s_dk=H * K, s_dv=HV * K)
     cx = dict(H=H, HV=HV, D=K, USE_L2=True, IS_VARLEN=True, num_warps=8)
     cx.update(flags)
     return compile_gluon(mp._bwd_parts_sm90_kernel, args, cx, num_warps=cx["num_warps"])

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from .. import ops
 from .. import reference as ref
 from ..backend import use_triton
-from ..ops.chunk import chunk_gated_delta_rule_packed
+from ..ops.chunk import chunk_gated_delta_rule_packed, split_packed_qkv
 from .cache import GDNCache, GDNCacheBatch
 from .norm import GatedRMSNorm
 
@@ -389,13 +389,8 @@ class GatedDeltaNet(nn.Module):
 
     def _split_qkv(self, y: torch.Tensor):
         """Strided q/k/v views (last dimension contiguous) of the packed conv output ``[B, T, conv_dim]``
-        (``torch.split``: its backward writes the packed gradient once, where three slices would each make a
-        zero-filled full-size gradient and add them)."""
-        kd = self.key_dim
-        q, k, v = torch.split(y, [kd, kd, self.value_dim], dim=-1)
-        return (q.unflatten(-1, (self.local_num_k_heads, self.head_k_dim)),
-                k.unflatten(-1, (self.local_num_k_heads, self.head_k_dim)),
-                v.unflatten(-1, (self.local_num_v_heads, self.head_v_dim)))
+        (:func:`gdn.ops.chunk.split_packed_qkv`)."""
+        return split_packed_qkv(y, self.local_num_k_heads, self.head_k_dim, self.local_num_v_heads, self.head_v_dim)
 
     def _resolve_cache(self, cache, N: int) -> Optional[GDNCacheBatch]:
         if cache is None:

@@ -221,9 +221,10 @@ class ChunkGatedDeltaRuleFunction(torch.autograd.Function):
 
 def split_packed_qkv(qkv: torch.Tensor, num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int):
     """Views q, k ``[B, T, H, K]`` and v ``[B, T, HV, V]`` of a packed ``qkv [B, T, 2 H K + HV V]`` (q | k | v
-    along the last dim, e.g. a causal conv's output)."""
+    along the last dim, e.g. a causal conv's output). By ``torch.split``: through autograd its backward writes the
+    packed gradient once, where three slices would each make a zero-filled full-size gradient and add them."""
     kd = num_k_heads * head_k_dim
-    q, k, v = qkv[..., :kd], qkv[..., kd:2 * kd], qkv[..., 2 * kd:]
+    q, k, v = torch.split(qkv, [kd, kd, num_v_heads * head_v_dim], dim=-1)
     return (q.unflatten(-1, (num_k_heads, head_k_dim)), k.unflatten(-1, (num_k_heads, head_k_dim)),
             v.unflatten(-1, (num_v_heads, head_v_dim)))
 

@@ -643,13 +643,20 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def _rows2d_ok(x: torch.Tensor) -> bool:
-    """Whether :func:`_rows2d` can view x as TMA rows (the ``supported`` checks: no view is built)."""
+def token_rows_ok(x: torch.Tensor) -> bool:
+    """Whether x [B, T, heads, D] is rows of tokens: heads dense and contiguous within a token, token rows at one
+    stride across the batch (a view of a packed [B, T, channels] tensor qualifies)."""
     B, T, Hh, D = x.shape
     st = x.stride()
-    if st[3] != 1 or st[2] != D or (B > 1 and st[0] != T * st[1]):
+    return st[3] == 1 and st[2] == D and (B == 1 or st[0] == T * st[1])
+
+
+def _rows2d_ok(x: torch.Tensor) -> bool:
+    """Whether :func:`_rows2d` can view x as TMA rows (the ``supported`` checks: no view is built): token rows
+    (:func:`token_rows_ok`) with a 16-byte aligned base and row pitch."""
+    if not token_rows_ok(x):
         return False
-    return (st[1] * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+    return (x.stride(1) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
 def _rows2d(x: torch.Tensor) -> Optional[torch.Tensor]:

@@ -30,7 +30,7 @@ import torch
 from ... import _gluon_api as G
 from ...launch import launch
 from ...tuning import capability
-from ..hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok
+from ..hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok, token_rows_ok
 
 if G.AVAILABLE:
     from ..hopper import cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma_load, warpgroup_mma, \
@@ -368,14 +368,6 @@ def supported(q, k, v, do, v_new, dvn, ainv, h, gs, K: int, V: int) -> bool:
     if ainv.shape[-1] != CHUNK or not all(x.is_contiguous() for x in (v_new, dvn, ainv, h, gs)):
         return False
     return _rows2d_ok(q) and _rows2d_ok(k) and _rows2d_ok(v) and _rows2d_ok(do)
-
-
-def token_rows_ok(x: torch.Tensor) -> bool:
-    """Whether the kernel can write the gradient x [B, T, heads, D] in place: heads dense and contiguous rows of
-    one token, token rows at one stride across the batch (a view of a packed [B, T, channels] gradient qualifies)."""
-    B, T, Hh, D = x.shape
-    st = x.stride()
-    return st[3] == 1 and st[2] == D and (B == 1 or st[0] == T * st[1])
 
 
 def _row_stride(x: torch.Tensor) -> int:
