@@ -340,3 +340,48 @@ def test_training_call_keeps_qkv_packed():
         assert "ChunkGatedDeltaRuleFunctionBackward" not in names
     else:   # the torch path: autograd through the reference
         assert not any("ChunkGatedDeltaRule" in n for n in names)
+
+
+@pytest.mark.parametrize("projection,T", [("qwen3_next", 21), ("qwen3_next", 7), ("qwen3_5", 21)])
+def test_training_backward_takes_z_b_a_as_one_block(monkeypatch, projection, T):
+    """A training step's backward writes the gradients of z (gated norm), b and a (gates) side by side into one
+    buffer, and the in-projection's backward runs one product over the three (a part of width HV V + 2 HV); the
+    gradients equal those of the step without the buffer (three products), and a second backward through the
+    retained graph gives them again (a new buffer per pass). Fewer tokens than hidden (the outputs unpacked, no
+    in-projection Function) and separate projections (qwen3_5: z contiguous, the norm keeps its own dz) are right
+    as well."""
+    import gdn.layers.gated_deltanet as mod
+    from gdn.backend import use_triton
+
+    triton = use_triton(torch.device(DEV))   # else: the torch backend, its norm and gates without the buffer
+    H, HV, V = 2, 4, 16
+    layer = make_layer(projection, H=H, HV=HV, V=V)
+    x = torch.randn(2, T, 32, device=DEV, requires_grad=True)
+    dy = torch.randn(2, T, 32, device=DEV)
+    fused = triton and projection == "qwen3_next" and 2 * T >= 32
+    widths, real = [], mod.merge_adjacent
+    monkeypatch.setattr(mod, "merge_adjacent", lambda g, s: (lambda p: widths.append([n for _, n in p]) or p)(real(g, s)))
+
+    def grads(buffer: bool, twice: bool = False):
+        monkeypatch.setattr(mod.GatedDeltaNet, "_zba_grad_buffer",
+                            mod.GatedDeltaNet._zba_grad_buffer if buffer else (lambda self: None))
+        params = [x] + list(layer.parameters())
+        y = layer(x)
+        out = [torch.autograd.grad(y, params, dy, retain_graph=twice)]
+        if twice:
+            out.append(torch.autograd.grad(y, params, dy))
+        return out
+
+    widths.clear()
+    (merged,) = grads(True)
+    if fused:
+        assert widths == [[layer.conv_dim, HV * V + 2 * HV]]
+    widths.clear()
+    (plain,) = grads(False)
+    assert widths == ([[layer.conv_dim, HV * V, HV, HV]] if fused or (projection == "qwen3_next" and 2 * T >= 32)
+                      else [])
+    for m, p in zip(merged, plain):
+        assert rel_err(m, p) < 1e-5
+    first, second = grads(True, twice=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)

@@ -64,11 +64,11 @@ def gated_rmsnorm_fwd_kernel(
 @triton.jit
 def gated_rmsnorm_bwd_kernel(
     x_ptr, z_ptr, w_ptr, dy_ptr, rstd_ptr, dx_ptr, dz_ptr, dw_ptr,
-    M, N, sx, sz, szg, ZG, sdy, sdx, sdz, ITERS, G,
+    M, N, sx, sz, szg, ZG, sdy, sdx, sdz, sdzg, ITERS, G,
     BM: tl.constexpr, BN: tl.constexpr, HAS_Z: tl.constexpr, CD: tl.constexpr,
 ):
     """Program ``pid`` handles the ITERS row blocks pid * ITERS, ...; dw_ptr: [G, N] partial sums; z rows as in the
-    forward kernel."""
+    forward kernel, dz rows the same way at dz's strides (sdz per group of ZG rows, sdzg within one)."""
     pid = tl.program_id(0)
     cols = tl.arange(0, BN)
     mc = cols < N
@@ -89,7 +89,8 @@ def gated_rmsnorm_bwd_kernel(
             sg = 1.0 / (1.0 + tl.exp(-z))
             gz = z * sg
             dz = dy * xhat * w[None, :] * (sg * (1.0 + z * (1.0 - sg)))
-            tl.store(dz_ptr + rows[:, None] * sdz + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=m)
+            dzrow = (rows // ZG) * sdz + (rows % ZG) * sdzg
+            tl.store(dz_ptr + dzrow[:, None] + cols[None, :], dz.to(dz_ptr.dtype.element_ty), mask=m)
             dyg = dy * gz
         else:
             dyg = dy
@@ -157,15 +158,17 @@ def rmsnorm_fwd(x2, z2, weight, eps: float):
     return y, rstd
 
 
-def rmsnorm_bwd(x2, z2, weight, dy2, rstd):
-    """z2 as in :func:`rmsnorm_fwd`. Returns (dx [M, N] in x's dtype, dz [M, N] in z's dtype or None, dweight [N] in
-    weight's dtype)."""
+def rmsnorm_bwd(x2, z2, weight, dy2, rstd, dz=None):
+    """z2 as in :func:`rmsnorm_fwd`. Returns (dx [M, N] in x's dtype, dz in z's dtype or None, dweight [N] in
+    weight's dtype). ``dz``: optional destination with z2's shape ([M, N] or [M / G, G, N], last dim contiguous;
+    e.g. a column block of a wider gradient buffer), else a new [M, N] tensor."""
     import torch
 
     M, N = x2.shape
     f64 = _is_f64(x2)
     dx = torch.empty((M, N), dtype=x2.dtype, device=x2.device)
-    dz = torch.empty((M, N), dtype=z2.dtype, device=x2.device) if z2 is not None else None
+    if z2 is not None and dz is None:
+        dz = torch.empty((M, N), dtype=z2.dtype, device=x2.device)
     if M == 0 or N == 0:
         return dx, dz, torch.zeros_like(weight)
     BN, BM, num_warps = _cfg(N, x2.device, backward=True)
@@ -175,10 +178,16 @@ def rmsnorm_bwd(x2, z2, weight, dy2, rstd):
     G = cdiv(nblocks, iters)
     acc_dt = torch.float64 if f64 else torch.float32
     dw_part = torch.empty((G, N), dtype=acc_dt, device=x2.device)
+    zs = _z_strides(z2)
+    if dz is None:
+        dzs = (0, 0)
+    elif dz.dim() == 3:
+        dzs = (dz.stride(0), dz.stride(1))
+    else:   # [M, N] rows: a group of ZG rows spans ZG row strides
+        dzs = (dz.stride(0) * zs[2], dz.stride(0))
     launch(gated_rmsnorm_bwd_kernel, (G,),
         x2, z2 if z2 is not None else x2, weight, dy2, rstd, dx, dz if dz is not None else dx, dw_part,
-        M, N, x2.stride(0), *_z_strides(z2), dy2.stride(0), dx.stride(0),
-        dz.stride(0) if dz is not None else 0, iters, G,
+        M, N, x2.stride(0), *zs, dy2.stride(0), dx.stride(0), *dzs, iters, G,
         BM=BM, BN=BN, HAS_Z=z2 is not None, CD=tl.float64 if f64 else tl.float32, num_warps=num_warps,
     )
     return dx, dz, dw_part.sum(0).to(weight.dtype)

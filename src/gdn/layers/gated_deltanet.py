@@ -28,7 +28,10 @@ import torch.nn.functional as F
 from .. import ops
 from .. import reference as ref
 from ..backend import use_triton
+from ..ops._grad_buffer import ColumnGradBuffer, merge_adjacent
 from ..ops.chunk import chunk_gated_delta_rule_packed, split_packed_qkv
+from ..ops.gate import gdn_gates
+from ..ops.norm import gated_rms_norm
 from .cache import GDNCache, GDNCacheBatch
 from .norm import GatedRMSNorm
 
@@ -52,11 +55,11 @@ def _tp_world(group) -> Tuple[int, int]:
 # ----------------------------------------------------------------------------------------------------------------------
 # the in-projections of a training step in one GEMM
 # ----------------------------------------------------------------------------------------------------------------------
-def _merge_narrow(grads, sizes, x2, narrow: int = 256):
-    """(gradient, width) per part, adjacent parts narrower than ``narrow`` (the gate projections b, a: HV columns)
-    concatenated into one (None parts as zeros): each product with such a part reads all of x for its weight gradient
-    and reads + writes all of dx for its input gradient (~65 us per part at 4 x 4096 tokens, hidden 2048), which one
-    product does for the merged part at once."""
+def _merge_narrow(parts, rows: int, narrow: int = 256):
+    """(gradient, width) parts, adjacent parts narrower than ``narrow`` (the gate projections b, a: HV columns, where
+    they did not arrive as one block already: ``merge_adjacent``) concatenated into one (None parts as zeros): each
+    product with such a part reads all of x for its weight gradient and reads + writes all of dx for its input
+    gradient (~65 us per part at 4 x 4096 tokens, hidden 2048), which one product does for the merged part at once."""
     out, run = [], []
 
     def flush():
@@ -67,11 +70,11 @@ def _merge_narrow(grads, sizes, x2, narrow: int = 256):
                 out.append((None, sum(n for _, n in run)))
             else:
                 like = next(g for g, _ in run if g is not None)
-                parts = [g.reshape(-1, n) if g is not None else like.new_zeros(x2.shape[0], n) for g, n in run]
-                out.append((torch.cat(parts, dim=-1), sum(n for _, n in run)))
+                cols = [g.reshape(-1, n) if g is not None else like.new_zeros(rows, n) for g, n in run]
+                out.append((torch.cat(cols, dim=-1), sum(n for _, n in run)))
         run.clear()
 
-    for g, n in zip(grads, sizes):
+    for g, n in parts:
         if n < narrow:
             run.append((g, n))
         else:
@@ -86,7 +89,9 @@ class _RowPermutedLinear(torch.autograd.Function):
     into ``sizes`` along its last dimension (views). Backward: one GEMM per part straight into one weight-gradient
     buffer (autograd would concatenate the parts' gradients, ~0.4 GB at 4 x 4096 tokens), dx accumulated in place
     (no add of per-projection dx), and each weight's gradient put back in its own row order by a gather with the
-    inverse permutation (``index_select``'s backward is a scatter-add into a zero-filled tensor, ~5x slower)."""
+    inverse permutation (``index_select``'s backward is a scatter-add into a zero-filled tensor, ~5x slower). Parts
+    whose gradients arrive as adjacent blocks of one buffer (the layer's z | b | a: :mod:`gdn.ops._grad_buffer`)
+    take one product together."""
 
     @staticmethod
     def forward(ctx, x, perms, inv_perms, sizes, *ws):
@@ -108,7 +113,7 @@ class _RowPermutedLinear(torch.autograd.Function):
         dwp = torch.empty_like(wp) if want_w else None
         dx = None
         off = 0
-        for g, n in _merge_narrow(grads, ctx.sizes, x2):
+        for g, n in _merge_narrow(merge_adjacent(grads, ctx.sizes), x2.shape[0]):
             rows = slice(off, off + n)
             off += n
             if g is None:
@@ -132,13 +137,19 @@ class _RowPermutedLinear(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------------------------
 # the block
 # ----------------------------------------------------------------------------------------------------------------------
+def _plain_module(m: nn.Module, cls) -> bool:
+    """Whether ``m`` is exactly a ``cls`` (no subclass) without forward hooks, so its forward may be replaced by the
+    function it calls."""
+    from torch.nn.modules import module as _mod
+
+    return (type(m) is cls and not m._forward_hooks and not m._forward_pre_hooks
+            and not _mod._global_forward_hooks and not _mod._global_forward_pre_hooks)
+
+
 def _plain_linear(m: nn.Module) -> bool:
     """Whether calling ``m`` is exactly ``F.linear(x, m.weight)``: a plain bias-free nn.Linear without forward hooks
     (a PEFT / LoRA wrapper or a hook changes what the projection computes, so its weight alone must not be used)."""
-    from torch.nn.modules import module as _mod
-
-    return (type(m) is nn.Linear and m.bias is None and not m._forward_hooks and not m._forward_pre_hooks
-            and not _mod._global_forward_hooks and not _mod._global_forward_pre_hooks)
+    return _plain_module(m, nn.Linear) and m.bias is None
 
 
 class GatedDeltaNet(nn.Module):
@@ -476,7 +487,9 @@ class GatedDeltaNet(nn.Module):
             o = self._cp_forward(mixed, a, b, cu_seqlens)
         elif batch is None:
             y = ops.causal_conv1d(mixed, w, bias, "silu", cu_seqlens=cu_seqlens)
-            o = self._chunk(y, a, b, cu_seqlens, None, None)
+            gb = self._zba_grad_buffer()
+            o = self._chunk(y, a, b, cu_seqlens, None, None, gb)
+            return self._norm(o, z, gb)
         elif batch.speculative:
             o = self._verify(mixed, a, b, batch, cu_seqlens)
         else:
@@ -553,9 +566,22 @@ class GatedDeltaNet(nn.Module):
                                          shard_lengths=lens)
         return o
 
-    def _chunk(self, y, a, b, cu_seqlens, ssm_pool, batch):
-        g = ops.gdn_gate(a, self.A_log, self.dt_bias)
-        beta = b.sigmoid()
+    def _zba_grad_buffer(self) -> Optional[ColumnGradBuffer]:
+        """Where a training step's backward writes the gradients of z, b and a side by side (their in-projection
+        columns are adjacent: one product for the three in ``_RowPermutedLinear``'s backward): when the gated norm is
+        this library's plain module (no hooks), outside torch.compile's tracing."""
+        if torch.compiler.is_compiling() or not torch.is_grad_enabled() or not _plain_module(self.norm, GatedRMSNorm):
+            return None
+        HV, V = self.local_num_v_heads, self.head_v_dim
+        return ColumnGradBuffer({"z": HV * V, "b": HV, "a": HV})
+
+    def _norm(self, o, z, grad_buffer):
+        if grad_buffer is None:
+            return self.norm(o, z)
+        return gated_rms_norm(o, z, self.norm.weight, self.norm.eps, _grad_buffer=grad_buffer)
+
+    def _chunk(self, y, a, b, cu_seqlens, ssm_pool, batch, grad_buffer=None):
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias, grad_buffer=grad_buffer)
         if batch is None:   # q|k|v kept packed: a training backward writes y's gradient as one tensor
             return chunk_gated_delta_rule_packed(y, self.local_num_k_heads, self.head_k_dim, self.local_num_v_heads,
                                                  self.head_v_dim, g, beta, cu_seqlens=cu_seqlens,

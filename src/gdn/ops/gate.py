@@ -24,6 +24,43 @@ class _GateFn(torch.autograd.Function):
         return gdn_gate_bwd(a, A_log, dt_bias, dg)
 
 
+class _GatesFn(torch.autograd.Function):
+    """(g, beta) from (a, b) in one kernel each way; the backward writes da / db into ``grad_buffer``'s blocks "a"
+    and "b" where one is given (:mod:`gdn.ops._grad_buffer`)."""
+
+    @staticmethod
+    def forward(ctx, a, b, A_log, dt_bias, grad_buffer):
+        from ..kernels.gate import gdn_gate_fwd
+
+        g, beta = gdn_gate_fwd(a, A_log, dt_bias, b)
+        ctx.save_for_backward(a, b, A_log, dt_bias)
+        ctx.grad_buffer = grad_buffer
+        return g, beta
+
+    @staticmethod
+    def backward(ctx, dg, dbeta):
+        from ..kernels.gate import gdn_gate_bwd
+
+        a, b, A_log, dt_bias = ctx.saved_tensors
+        gb, da, db = ctx.grad_buffer, None, None
+        if gb is not None:
+            rows = a.numel() // max(1, a.shape[-1])
+            db = gb.block("b", rows, b.dtype, b.device).view(b.shape)
+            da = gb.block("a", rows, a.dtype, a.device).view(a.shape)
+        da, dA, ddt, db = gdn_gate_bwd(a, A_log, dt_bias, dg, b=b, dbeta=dbeta, da=da, db=db)
+        return da, db, dA, ddt, None
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, grad_buffer=None):
+    """The layer's two gates: ``(gdn_gate(a, A_log, dt_bias), sigmoid(b))`` (g fp32, beta in b's dtype), one kernel
+    forward and one backward on the Triton backend. a, b ``[..., HV]`` (row-strided views allowed); the caller
+    (the GatedDeltaNet layer) has checked the shapes. ``grad_buffer``: a :class:`~gdn.ops._grad_buffer.ColumnGradBuffer`
+    with blocks "b" and "a" for the backward to write into, or None."""
+    if a.dtype == torch.float64 or not use_triton(a.device) or torch.compiler.is_compiling():
+        return gdn_gate(a, A_log, dt_bias), b.sigmoid()
+    return _GatesFn.apply(a, b, A_log, dt_bias, grad_buffer)
+
+
 def gdn_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
     """``g = -exp(A_log) * softplus(a + dt_bias)`` in float32 (log-space decay, g <= 0).
 

@@ -42,7 +42,7 @@ def _z_rows(z: torch.Tensor, N: int) -> torch.Tensor:
 
 class _GatedRMSNormFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, z, weight, eps):
+    def forward(ctx, x, z, weight, eps, grad_buffer=None):
         from ..kernels.norm import rmsnorm_fwd
 
         N = x.shape[-1]
@@ -51,6 +51,7 @@ class _GatedRMSNormFn(torch.autograd.Function):
         y, rstd = rmsnorm_fwd(x2, z2, weight, eps)
         ctx.save_for_backward(x2, z2, weight, rstd)
         ctx.shape = x.shape
+        ctx.grad_buffer = grad_buffer if z is not None else None
         return y.view(x.shape)
 
     @staticmethod
@@ -60,8 +61,13 @@ class _GatedRMSNormFn(torch.autograd.Function):
         x2, z2, weight, rstd = ctx.saved_tensors
         N = x2.shape[-1]
         dy2 = _rows("dy", dy, N)
-        dx, dz, dw = rmsnorm_bwd(x2, z2, weight, dy2, rstd)
-        return dx.view(ctx.shape), (dz.view(ctx.shape) if dz is not None else None), dw, None
+        dz = None
+        gb = ctx.grad_buffer
+        if gb is not None and z2.dim() == 3 and z2.shape[1] * N == gb.widths["z"]:
+            # z's gradient as block "z" ([rows, G N]) of the shared buffer, z's [M / G, G, N] row grouping
+            dz = gb.block("z", z2.shape[0], z2.dtype, z2.device).view(-1, z2.shape[1], N)
+        dx, dz, dw = rmsnorm_bwd(x2, z2, weight, dy2, rstd, dz=dz)
+        return dx.view(ctx.shape), (dz.view(ctx.shape) if dz is not None else None), dw, None, None
 
 
 def _torch_norm(x, z, weight, eps):
@@ -74,7 +80,8 @@ def _torch_norm(x, z, weight, eps):
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.to(dt)).to(x.dtype)
 
 
-def gated_rms_norm(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def gated_rms_norm(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6,
+                   *, _grad_buffer=None) -> torch.Tensor:
     """``x * rsqrt(mean(x^2, -1) + eps) * weight * silu(z)``.
 
     Args:
@@ -85,6 +92,9 @@ def gated_rms_norm(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
 
     Returns:
         y of x's shape and dtype. Differentiable with respect to x, z and weight.
+
+    ``_grad_buffer`` (internal, the GatedDeltaNet layer's): a :class:`~gdn.ops._grad_buffer.ColumnGradBuffer` whose
+    block "z" receives z's gradient.
     """
     _v.tensor("x", x, dtypes=X_DTYPES, shape_doc="[..., N]")
     if x.dim() < 1:
@@ -116,7 +126,7 @@ def gated_rms_norm(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Ten
         N = x.shape[-1]
         z2 = _rows("z", z, N) if z is not None else x.new_empty((0,))
         return rmsnorm_fwd(_rows("x", x, N), z2, weight, float(eps))[0].view(x.shape)
-    return _GatedRMSNormFn.apply(x, z, weight, float(eps))
+    return _GatedRMSNormFn.apply(x, z, weight, float(eps), _grad_buffer)
 
 
 __all__ = ["gated_rms_norm"]
