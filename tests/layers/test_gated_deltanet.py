@@ -360,7 +360,13 @@ def test_training_backward_takes_z_b_a_as_one_block(monkeypatch, projection, T):
     dy = torch.randn(2, T, 32, device=DEV)
     fused = triton and projection == "qwen3_next" and 2 * T >= 32
     widths, real = [], mod.merge_adjacent
-    monkeypatch.setattr(mod, "merge_adjacent", lambda g, s: (lambda p: widths.append([n for _, n in p]) or p)(real(g, s)))
+
+    def recording(grads, sizes):   # the parts the in-projection's backward runs its products over
+        parts = real(grads, sizes)
+        widths.append([n for _, n in parts])
+        return parts
+
+    monkeypatch.setattr(mod, "merge_adjacent", recording)
 
     def grads(buffer: bool, twice: bool = False):
         monkeypatch.setattr(mod.GatedDeltaNet, "_zba_grad_buffer",

@@ -3,9 +3,10 @@ strength beta = sigmoid(b); and their backward.
 
 a and b are read at their row strides (column slices of a projection output, as the layer passes them); g is fp32,
 beta in b's dtype, both contiguous ``[rows, HV]``. Backward: with x = a + dt_bias, dg/da = -exp(A_log) * sigmoid(x)
-(1 past softplus's threshold of 20), dg/dA_log = g, dbeta/db = beta (1 - beta); da and db are written at their row
-strides (they may be column slices of one gradient buffer; sigmoid(b) recomputed in fp32, not read back rounded); the per-head sums for A_log and dt_bias are per-program
-partial sums in the kernel, summed over programs after it.
+(1 past softplus's threshold of 20), dg/dA_log = g, dbeta/db = beta (1 - beta) with beta = sigmoid(b) recomputed in
+fp32 (not read back rounded); da and db are written at their row strides (they may be column slices of one gradient
+buffer); the per-head sums for A_log and dt_bias are per-program partial sums in the kernel, summed over programs
+after it.
 """
 import torch
 import triton

@@ -30,9 +30,9 @@ class ColumnGradBuffer:
 
     def block(self, name: str, rows: int, dtype: torch.dtype, device) -> torch.Tensor:
         """``[rows, widths[name]]`` view (row stride ``width``) of this pass's buffer for block ``name``."""
-        buf = self._buf
+        buf, dev = self._buf, torch.device(device)
         if (buf is None or name not in self._pending or buf.shape[0] != rows or buf.dtype != dtype
-                or buf.device != torch.device(device)):
+                or buf.device.type != dev.type or (dev.index is not None and buf.device.index != dev.index)):
             buf = self._buf = torch.empty(rows, self.width, dtype=dtype, device=device)
             self._pending = set(self.widths)
         self._pending.discard(name)
