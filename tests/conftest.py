@@ -23,6 +23,15 @@ def _fresh_seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _fresh_host_plans():
+    # host plans recorded by an earlier test would replay past a later test's monkeypatched internals
+    from gdn.kernels import host_plan
+
+    host_plan.clear()
+    yield
+
+
 @pytest.fixture
 def device():
     return DEVICE

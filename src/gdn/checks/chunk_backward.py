@@ -405,3 +405,57 @@ def chunk_backward_fp32_long(device):
     ref = _ref_grads(*[t[:, :prefix] for t in x32], scale, None, None, True, d32[:, :prefix], None)
     return [Result("chunk_backward", f"target 1x8192 16/32 fp32 {n}[:{prefix}] vs float64",
                    rel_err(a[:, :prefix], r), _TOL[torch.float32]) for n, a, r in zip(_NAMES, got, ref)]
+
+
+@register
+def chunk_backward_host_plans(device):
+    """Host plans (:mod:`gdn.kernels.host_plan`): forward + backward through the public op called four times with
+    fresh inputs of one shape (the first runs the Python path, the second is recorded, the last two replay), each
+    call against the same call with plans off: outputs and every gradient bitwise equal, and the replays happened
+    (a plan for the forward and one for the backward). With ``launch.VERIFY`` off for the check (it bypasses plans).
+    Small varlen batch with an initial state, both layouts; on sm_90 also 1x8192 16/32 bf16 with ``cu_seqlens_cpu``
+    (the Gluon kernels' descriptors rebuilt by the replay)."""
+    from ..kernels import host_plan, launch
+    from ..ops import chunk_gated_delta_rule
+
+    s = _shapes(device)
+    cases = [("varlen v_last", s, True, "v_last", torch.float32), ("batch k_last", s, False, "k_last", torch.bfloat16)]
+    if _sm90_gluon_available(device):
+        cases.append(("1x8192 16/32", dict(H=16, HV=32, K=128, V=128, lens=[8192]), True, "v_last", torch.bfloat16))
+    saved = launch.VERIFY, host_plan.ENABLED, host_plan.PLAN_CPU
+    launch.VERIFY, host_plan.PLAN_CPU = False, device.type == "cpu"
+    out = []
+    try:
+        for tag, sh, varlen, layout, dtype in cases:
+            host_plan.clear()
+            cu, B, T, N = _rows(device, dict(sh, B=s["B"], T=s["T"]), varlen)
+            H, HV, K, V = sh["H"], sh["HV"], sh["K"], sh["V"]
+            cu_host = None if cu is None else cu.cpu()
+            same = True
+            for _ in range(4):
+                x = make_inputs(B, T, H, HV, K, V, dtype=dtype, device=device)
+                h0 = torch.randn(N, HV, K, V, device=device)
+                if layout == "k_last":
+                    h0 = h0.transpose(-1, -2).contiguous()
+                do = torch.randn(B, T, HV, V, device=device).to(dtype)
+                dht = torch.randn_like(h0)
+                runs = []
+                for on in (True, False):
+                    host_plan.ENABLED = on
+                    leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta, h0)]
+                    o, ht = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                                   cu_seqlens=cu, cu_seqlens_cpu=cu_host,
+                                                   use_qk_l2norm_in_kernel=True, state_layout=layout)
+                    runs.append([o, ht] + list(torch.autograd.grad((o, ht), leaves, (do, dht))))
+                same = same and all(torch.equal(a, b) for a, b in zip(*runs))
+            st = host_plan.stats()
+            out.append(Result("chunk_backward", f"host plan {tag}: replays bitwise equal to the Python path",
+                              0.0 if same else float("inf"), 0.0))
+            ok = st["plans"] == 2 and not st["why"]
+            out.append(Result("chunk_backward", f"host plan {tag}: forward and backward replayed "
+                              f"({st['plans']} plans{'' if ok else ', ' + str(st['why'])})",
+                              0.0 if ok else float("inf"), 0.0))
+    finally:
+        launch.VERIFY, host_plan.ENABLED, host_plan.PLAN_CPU = saved
+        host_plan.clear()
+    return out

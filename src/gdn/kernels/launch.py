@@ -21,10 +21,15 @@ each argument by (what ``native_specialize_impl`` returns, checked against this 
 The key holds all of that (bools, strings and other values by value: finer, never coarser), plus the device and
 Triton's debug / instrumentation settings. ``VERIFY = True`` (``gdn check`` sets it) makes every fast launch also ask
 Triton which kernel it would run and raise if that is not the one the key found.
+
+Host plans (:mod:`gdn.kernels.host_plan`) hook in here: while one records, :func:`launch` reports every launch of
+the recording thread to it (after the launch ran, with operators of the launcher itself not counted as the call's);
+a replay binds each launch once (:func:`bind`: the compiled kernel this key found) and fires it (:func:`fire`).
 """
 from __future__ import annotations
 
 import inspect
+import threading
 
 import torch
 from triton import knobs as _knobs
@@ -113,38 +118,96 @@ def _hooked(hook) -> bool:
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` with the host-time fast path above; returns what that returns on the slow
     path (the compiled kernel), None on the fast path."""
-    if not _ENABLED or callable(grid) or kernel.pre_run_hooks:
-        return kernel[grid](*args, **kwargs)
-    rt = _knobs.runtime
-    if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook):
-        return kernel[grid](*args, **kwargs)
-    dev = torch.cuda.current_device()
+    rec = _RECORDER
+    if rec is not None and rec.thread == threading.get_ident():   # a host plan is being recorded (host_plan.py)
+        rec.in_launch += 1     # operators run by the launcher itself (the interpreter's copies) are not the call's
+        try:
+            out = _launch(kernel, grid, args, kwargs)
+        finally:
+            rec.in_launch -= 1
+        rec.on_launch(kernel, grid, args, kwargs, current_stream())
+        return out
+    return _launch(kernel, grid, args, kwargs)
+
+
+def _key(kernel, args, kwargs):
+    """(this module's key of a launch, whether runtime arguments are passed by keyword)."""
     n = len(args)
     _, _, runtime, is_constexpr = _signature(kernel)
     # keywords: constexprs / options by value, runtime arguments (passed by keyword) by their key
     dynamic = not runtime.isdisjoint(kwargs)
     kw_key = tuple([(k, arg_key(v)) if k in runtime else (k, v) for k, v in kwargs.items()]) if dynamic else \
         tuple(kwargs.items())
-    key = (id(kernel), dev, rt.debug, _knobs.compilation.instrumentation_mode, tuple(map(arg_key, args)), kw_key,
+    rt = _knobs.runtime
+    key = (id(kernel), torch.cuda.current_device(), rt.debug, _knobs.compilation.instrumentation_mode,
+           tuple(map(arg_key, args)), kw_key,
            tuple([a for a, c in zip(args, is_constexpr) if c]) if True in is_constexpr[:n] else ())
+    return key, dynamic
+
+
+def fast_ok(kernel) -> bool:
+    """Whether a launch of ``kernel`` may take the fast path now (no interpreter, supported release, no pre-run or
+    launch hooks)."""
+    if not _ENABLED or kernel.pre_run_hooks:
+        return False
+    rt = _knobs.runtime
+    return not (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook))
+
+
+def _launch(kernel, grid, args, kwargs):
+    if callable(grid) or not fast_ok(kernel):
+        return kernel[grid](*args, **kwargs)
+    key, dynamic = _key(kernel, args, kwargs)
     entry = _CACHE.get(key)
     if entry is None:
         compiled = kernel[grid](*args, **kwargs)
         if compiled is not None and hasattr(compiled, "packed_metadata"):
-            _CACHE[key] = (compiled, None if dynamic else _tail(kernel, n, kwargs))
+            _CACHE[key] = (compiled, None if dynamic else _tail(kernel, len(args), kwargs))
         return compiled
-    compiled, tail = entry
-    if tail is None:   # runtime arguments among the keywords: this call's values
-        tail = _tail(kernel, n, kwargs)
     if VERIFY:
         want = kernel.warmup(*args, grid=grid, **kwargs)
-        if want is not compiled:
+        if want is not entry[0]:
             raise RuntimeError(f"gdn.kernels.launch: the key of {kernel} found another compiled kernel than "
                                f"Triton's own specialisation (Triton {_version()}); launch.VERIFY caught it")
-    g = len(grid)
-    compiled.run(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1, _raw_stream(dev), compiled.function,
-                 compiled.packed_metadata, None, None, None, *args, *tail)
+    fire((kernel, entry), grid, args, kwargs)
     return None
 
 
-__all__ = ["launch", "arg_key", "VERIFY"]
+def bind(kernel, args, kwargs):
+    """The compiled kernel that :func:`launch` would run for these arguments, as a handle for :func:`fire`, or None
+    (fast path off, or not compiled yet). Host plans bind a launch once: equal plan keys imply equal launch keys."""
+    if not fast_ok(kernel):
+        return None
+    entry = _CACHE.get(_key(kernel, args, kwargs)[0])
+    return None if entry is None else (kernel, entry)
+
+
+def fire(bound, grid, args, kwargs) -> None:
+    """Launch a bound kernel (:func:`bind`) on the current stream, as ``JITFunction.run`` does."""
+    kernel, (compiled, tail) = bound
+    if tail is None:   # runtime arguments among the keywords: this call's values
+        tail = _tail(kernel, len(args), kwargs)
+    g = len(grid)
+    compiled.run(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1,
+                 _raw_stream(torch.cuda.current_device()), compiled.function, compiled.packed_metadata, None, None,
+                 None, *args, *tail)
+
+
+_RECORDER = None
+
+
+def set_recorder(rec) -> None:
+    """The host-plan recorder told of every launch of its thread (``rec.on_launch``), or None."""
+    global _RECORDER
+    _RECORDER = rec
+
+
+def current_stream():
+    """The raw current CUDA stream where CUDA is in use (None otherwise): host plans check that every launch of a
+    recorded call goes where the call began."""
+    if _raw_stream is None or not torch.cuda.is_initialized():
+        return None
+    return _raw_stream(torch.cuda.current_device())
+
+
+__all__ = ["launch", "arg_key", "bind", "fire", "fast_ok", "set_recorder", "VERIFY"]

@@ -162,7 +162,6 @@ def _train_forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_sta
                    cu_seqlens_cpu):
     """The forward of the differentiable Triton op; saves what the backward needs on ``ctx``."""
     from gdn.kernels import tuning
-    from gdn.kernels.chunk.backward import wants_forward_w
     from gdn.kernels.chunk.forward import chunk_gated_delta_rule_fwd
 
     # Ainv (tensor-core dtype, [B, T, HV, 64]), the chunk-local gate cumsum and k's L2 row scalings are kept for
@@ -173,7 +172,7 @@ def _train_forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_sta
     o, ht, aux = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state,
                                             cu_seqlens, chunk_size, l2, state_layout="v_last",
                                             store_ainv=True, cu_seqlens_cpu=cu_seqlens_cpu, return_states=keep,
-                                            keep_w=lambda ci: wants_forward_w(q, k, v, ci))
+                                            keep_w=True)
     keep = keep and aux["h"] is not None
     # W is read by the backward's reverse pass only: held here, not in saved_tensors, so that the backward can drop
     # it before its last kernel (the parts kernel), where the memory of a training step peaks

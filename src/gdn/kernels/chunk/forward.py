@@ -21,13 +21,16 @@ from __future__ import annotations
 import torch
 
 from .. import tuning
+from ..host_plan import planned
 from .common import CHUNK_SIZE, _check_chunk_size, _dot_dtype, _empty, _state_dtype
 from .output import chunk_output
 from .plan import prepare_chunk_indices
 from .prepare import chunk_fwd_prepare
 from .state import chunk_state_pass, fused_output_plan
+from .backward import wants_forward_w
 
 
+@planned
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, output_final_state=False,
                                cu_seqlens=None, chunk_size=CHUNK_SIZE, use_qk_l2norm_in_kernel=False, *,
                                state_layout="v_last", state_indices=None, final_state=None,
@@ -47,8 +50,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     (one kernel fewer, no h / v_new in memory) and aux["h"] / aux["v_new"] are None; such a call over more token x
     value heads than twice the ``chunk_fwd.piece_token_heads`` field runs in pieces (:func:`_forward_in_pieces`).
     ``out``: o [B, T, HV, V] (contiguous, v's dtype) to write instead of a new tensor. ``keep_w`` (with
-    ``store_ainv``): a callable ``(ci) -> bool``, whether the backward wants the prepare to store W (aux["w"]; only
-    the sm_90 prepare stores it, elsewhere aux["w"] is None)."""
+    ``store_ainv``): the caller runs this package's backward next; the prepare stores W where that backward wants it
+    (:func:`.backward.wants_forward_w`; aux["w"]: only the sm_90 prepare stores it, elsewhere aux["w"] is None).
+    Host work is recorded and replayed per call key (:mod:`gdn.kernels.host_plan`)."""
     _check_chunk_size(chunk_size)
     B, T, H, K = q.shape
     ci = prepare_chunk_indices(cu_seqlens, T, chunk_size, B, device=q.device, cu_seqlens_cpu=cu_seqlens_cpu)
@@ -79,7 +83,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
                              ainv_dtype=a_dtype, rk=rk, q=q if bv_fused else None, scale=scale, rq=rq,
-                             keep_w=bool(keep_w and store_ainv and from_ainv and keep_w(ci)))
+                             keep_w=bool(keep_w and store_ainv and from_ainv and wants_forward_w(q, k, v, ci)))
     g_cum, ainv, w, u = prep[:4]
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     fuse = None

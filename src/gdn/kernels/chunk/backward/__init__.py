@@ -88,6 +88,7 @@ import torch
 
 from ...common import l2_rnorm
 from ... import tuning
+from ...host_plan import planned
 from ..common import _dot_dtype, _empty, _state_dtype
 from ..plan import prepare_chunk_indices
 from ..prepare import chunk_fwd_prepare, recompute_w_u
@@ -118,6 +119,7 @@ def wants_forward_w(q, k, v, ci) -> bool:
     return not w_in_pass(plan, ci, HV, V, dev)
 
 
+@planned
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                                use_qk_l2norm_in_kernel, do, dht, *, g_cum=None, ainv=None, w=None, u=None,
                                h=None, v_new=None, segment_chunks=None, rq=None, rk=None, chunk_index=None,
@@ -139,6 +141,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
     ``segment_chunks``: reverse-pass segmentation (None heuristic, -1 off, n chunks per segment).
     ``chunk_index``: the forward's chunk tables (saves reading cu_seqlens on the host again).
     ``out``: (dq, dk, dv) to write into, e.g. views of one packed gradient of q|k|v (:func:`parts.chunk_bwd_main`).
+    Host work is recorded and replayed per call key (:mod:`gdn.kernels.host_plan`).
     """
     B, T, H, K = q.shape
     C = int(chunk_size)

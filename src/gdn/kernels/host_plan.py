@@ -1,0 +1,513 @@
+"""Host plans: the host work of a kernel-level call recorded once and replayed on later calls of the same key.
+
+A chunked forward or backward spends ~0.3-0.8 ms of host time per call in Python (validation of what the kernels
+take, chunk tables, segment and tile plans, tuning lookups, views, descriptors, ~800 Python calls), which makes the
+small training rows host-bound. All of it depends only on what the key below holds, so :func:`planned` runs a call
+normally the first time a key is seen, records the second call (every allocation, fill and kernel launch, with the
+tensors they touch expressed as views of the call's inputs or allocations), and from the third call on replays the
+record: allocate, fill, build the launch arguments and descriptors from this call's tensors, launch, free.
+
+The key of a call: the function, and per argument (walked through tuples, lists, dicts and named tuples) a tensor's
+dtype, shape, strides, device and data pointer modulo 16 (the kernels' alignment specialisation; for integer CPU
+tensors, whose values the host reads, the values too), or the value of an int / float / bool / str / None / dtype /
+device; how the tensors share memory (which share a storage, at what distance); the current CUDA device, whether
+the stream is capturing a graph, GDN_TUNE, the generation of the tuning overrides (``tuning.override`` blocks) and
+:data:`EPOCH`. A call with any other argument type is never planned, nor one whose first argument is not a CUDA
+tensor (unless :data:`PLAN_CPU`: Triton's interpreter in the tests).
+
+What keeps a replay equal to the call it stands for (checked while recording; any failure leaves the key
+unplanned): every torch operator the call runs is seen by a ``TorchDispatchMode``: allocations (``empty``,
+``zeros``, ...), fills, clones, copies and dtype conversions on the tensors' own device are recorded, views allowed,
+anything else (a computation, a read of device values like ``.item()`` or ``.cpu()``) makes the call unplannable;
+every launch must go through :func:`gdn.kernels.launch.launch` with a tuple grid on the stream the call began on; a
+launch argument's tensor must be a view inside one input's extent, a view of an allocation, or a tensor that existed
+before the call (a cached table: kept by reference). Operators run inside a launch (the interpreter's copies) are
+the launcher's own. Replays hold each allocation and input only until its last use (kernels are stream-ordered), so
+a replay's peak memory is at most the recorded call's. ``launch.VERIFY`` (``gdn check``) and launch hooks
+(profilers) bypass replays.
+"""
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ..config import tune_raw
+from . import launch as _launch_mod
+from . import tuning as _tuning
+
+ENABLED = True      # planned calls record and replay (False: every call runs its Python path)
+PLAN_CPU = False    # plan calls on CPU tensors too (Triton's interpreter: the tests of this module turn it on)
+RECORD_AT = 2       # the call of a key that is recorded (1-based); earlier ones warm the caches and compile
+MAX_PLANS = 256
+MAX_TRIES = 3       # recordings of one key that may fail (e.g. a cache rebuilt during the call) before it is given up
+EPOCH = 0           # bumped by clear(): keys of earlier plans no longer match
+
+_aten = torch.ops.aten
+_ALLOC_OPS = {_aten.empty.memory_format: None, _aten.empty_strided.default: None, _aten.empty_like.default: None,
+              _aten.new_empty.default: None, _aten.new_empty_strided.default: None, _aten.zeros.default: 0,
+              _aten.zeros_like.default: 0, _aten.new_zeros.default: 0, _aten.ones.default: 1,
+              _aten.ones_like.default: 1, _aten.new_ones.default: 1}
+_FULL_OPS = (_aten.full.default, _aten.full_like.default, _aten.new_full.default)
+_FILL_OPS = (_aten.zero_.default, _aten.fill_.Scalar)
+_NEW_FROM = (_aten.clone.default, _aten._to_copy.default)     # a new tensor from one tensor on its device
+_VIEWS = (_aten._unsafe_view.default, _aten.alias.default)
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+_CPU_VALUES_MAX = 65536
+
+_PLANS: dict = {}
+_local = threading.local()
+
+
+class _Unplannable(Exception):
+    pass
+
+
+def clear() -> None:
+    """Forget every plan (tests that patch module internals call this; plans recorded before would not see it)."""
+    global EPOCH
+    _PLANS.clear()
+    EPOCH += 1
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# keys
+# ----------------------------------------------------------------------------------------------------------------------
+def _walk(items, key: list, inputs: list) -> None:
+    """Append the key of every item of ``items`` (an iterable) to ``key`` and its tensors to ``inputs``."""
+    for x in items:
+        c = x.__class__
+        if c is torch.Tensor or (c not in _SCALARS and isinstance(x, torch.Tensor)):
+            inputs.append(x)
+            if x.is_cuda or x.is_floating_point():
+                key.append((x.dtype, x.shape, x.stride(), x.get_device(), x.data_ptr() & 15))
+            else:   # host integers: the host may read them
+                if x.numel() > _CPU_VALUES_MAX:
+                    raise _Unplannable
+                key.append((x.dtype, x.shape, x.stride(), x.get_device(), x.data_ptr() & 15,
+                            tuple(x.reshape(-1).tolist())))
+        elif c in _SCALARS:
+            key.append(c)
+            key.append(x)
+        elif c is tuple or c is list:
+            if all([y.__class__ is int for y in x]):
+                key.append((c, tuple(x)))
+            else:
+                key.append((c, len(x)))
+                _walk(x, key, inputs)
+        elif c is dict:
+            key.append((c, tuple(x)))
+            _walk(x.values(), key, inputs)
+        elif isinstance(x, tuple) and hasattr(c, "_fields"):
+            key.append(c)
+            _walk(x, key, inputs)
+        else:
+            raise _Unplannable
+
+
+def _aliasing(inputs) -> tuple:
+    """How the inputs share memory: per input, the first input on the same storage and the byte distance of their
+    data pointers (a view's template is then the same memory relative to every input it could come from)."""
+    first, out = {}, []
+    for i, x in enumerate(inputs):
+        if not x.numel():
+            out.append(None)
+            continue
+        sp = x.untyped_storage().data_ptr()
+        j = first.setdefault(sp, i)
+        out.append(None if j == i else (j, x.data_ptr() - inputs[j].data_ptr()))
+    return tuple(out)
+
+
+def _call_key(fn, args, kwargs):
+    first = args[0] if args else None
+    if not (isinstance(first, torch.Tensor) and (first.is_cuda or PLAN_CPU)):
+        raise _Unplannable      # the call's device is its first argument's
+    key, inputs = [fn, EPOCH, tune_raw(), _tuning._GENERATION[0]], []
+    _walk(args, key, inputs)
+    key.append(tuple(kwargs))
+    _walk(kwargs.values(), key, inputs)
+    key.append(_aliasing(inputs))
+    if torch.cuda.is_initialized():
+        key.append(torch.cuda.current_device())
+        key.append(torch.cuda.is_current_stream_capturing())
+    return tuple(key), inputs
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# recording
+# ----------------------------------------------------------------------------------------------------------------------
+# tensor templates: ("in", i) input i itself; ("iv", i, size, stride, offset) a view of input i (offset relative to
+# the input's own); ("al", j) allocation j itself; ("av", j, size, stride, offset); ("c", t) a tensor from before the
+# call; ("e", size, stride, dtype, device) an empty tensor. Values: ("t", template), ("d", type, fields, template) a
+# TMA descriptor, ("v", value).
+def _extent(t: torch.Tensor):
+    lo = t.storage_offset()
+    return lo, lo + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, inputs, stream):
+        super().__init__()
+        self.thread = threading.get_ident()
+        self.inputs = inputs
+        self.stream = stream
+        self.owners = {}        # storage data pointer -> ("in", [input indices]) or ("al", allocation index)
+        self.allocs = []        # (size, stride, dtype, device)
+        self.steps = []         # ("alloc", j) / ("fill", template, value) / ("launch", kernel, grid, args, kwargs)
+        self.bad = None
+        self.in_launch = 0      # > 0 inside a launch: the launcher's own operators are not recorded
+        for i, x in enumerate(inputs):
+            if x.numel():
+                owner = self.owners.setdefault(x.untyped_storage().data_ptr(), ("in", []))
+                if owner[0] == "in":
+                    owner[1].append(i)
+
+    # -- tensors ---------------------------------------------------------------------------------------------------
+    def template(self, t: torch.Tensor):
+        if t.numel() == 0:
+            return ("e", tuple(t.shape), t.stride(), t.dtype, t.device)
+        owner = self.owners.get(t.untyped_storage().data_ptr())
+        if owner is None:
+            return ("c", t)
+        if owner[0] == "al":
+            j = owner[1]
+            size, stride, dtype, _ = self.allocs[j]
+            if t.dtype != dtype:
+                raise _Unplannable
+            if tuple(t.shape) == size and t.stride() == stride and t.storage_offset() == 0:
+                return ("al", j)
+            return ("av", j, tuple(t.shape), t.stride(), t.storage_offset())
+        lo, hi = _extent(t)
+        for i in owner[1]:
+            x = self.inputs[i]
+            if t is x:
+                return ("in", i)
+        for i in owner[1]:
+            x = self.inputs[i]
+            xlo, xhi = _extent(x)
+            if x.dtype == t.dtype and xlo <= lo and hi <= xhi:
+                if tuple(t.shape) == tuple(x.shape) and t.stride() == x.stride() and lo == xlo:
+                    return ("in", i)
+                return ("iv", i, tuple(t.shape), t.stride(), lo - xlo)
+        raise _Unplannable
+
+    def value(self, a):
+        if isinstance(a, torch.Tensor):
+            return ("t", self.template(a))
+        base = getattr(a, "base", None)
+        if isinstance(base, torch.Tensor) and hasattr(a, "__dict__"):    # a TMA tensor descriptor
+            fields = {k: v for k, v in a.__dict__.items() if k != "base"}
+            if any(isinstance(v, torch.Tensor) for v in fields.values()):
+                raise _Unplannable
+            return ("d", type(a), fields, self.template(base))
+        if callable(a) and not isinstance(a, type):
+            raise _Unplannable
+        return ("v", a)
+
+    # -- events ----------------------------------------------------------------------------------------------------
+    def on_launch(self, kernel, grid, args, kwargs, stream):
+        if self.bad is not None:
+            return
+        try:
+            if callable(grid) or stream != self.stream:
+                raise _Unplannable
+            self.steps.append(("launch", kernel, tuple(int(x) for x in grid), [self.value(a) for a in args],
+                               {k: self.value(v) for k, v in kwargs.items()}))
+        except _Unplannable:
+            self.bad = f"launch of {getattr(kernel, '__name__', kernel)}"
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.bad is not None or self.in_launch or func.is_view or func in _VIEWS:
+            return out
+        try:
+            if func in _ALLOC_OPS or func in _FULL_OPS:
+                if not isinstance(out, torch.Tensor):
+                    raise _Unplannable
+                fill = _ALLOC_OPS.get(func) if func in _ALLOC_OPS else args[-1] if func is _aten.full.default \
+                    else args[1]
+                self.alloc(out, fill)
+            elif func in _NEW_FROM:
+                src = args[0]
+                if not isinstance(out, torch.Tensor) or out.device != src.device or len(args) != 1:
+                    raise _Unplannable      # a host transfer, or a form not recorded here
+                tmpl = self.template(src)
+                j = self.alloc(out, None, step=False)
+                self.steps.append(("new", j, func, tmpl, dict(kwargs)))
+            elif func is _aten.copy_.default:
+                if len(args) != 2 or kwargs or args[0].device != args[1].device:
+                    raise _Unplannable
+                self.steps.append(("copy", self.template(args[0]), self.template(args[1])))
+            elif func in _FILL_OPS:
+                v = 0 if func is _aten.zero_.default else args[1]
+                if not isinstance(v, (int, float, bool)):
+                    raise _Unplannable
+                self.steps.append(("fill", self.template(args[0]), v))
+            else:
+                raise _Unplannable
+        except _Unplannable:
+            self.bad = str(func)
+        return out
+
+    def alloc(self, t: torch.Tensor, fill, step=True) -> int:
+        j = len(self.allocs)
+        self.allocs.append((tuple(t.shape), t.stride(), t.dtype, t.device))
+        if step:
+            self.steps.append(("alloc", j))
+        if t.numel():
+            self.owners[t.untyped_storage().data_ptr()] = ("al", j)
+        if fill is not None:
+            if not isinstance(fill, (int, float, bool)):
+                raise _Unplannable
+            self.steps.append(("fill", ("al", j), fill))
+        return j
+
+    def output(self, x):
+        if isinstance(x, torch.Tensor):
+            return ("t", self.template(x))
+        c = x.__class__
+        if c is tuple or c is list:
+            return ("seq", c, [self.output(y) for y in x])
+        if c is dict:
+            return ("dict", [(k, self.output(y)) for k, y in x.items()])
+        if isinstance(x, tuple) and hasattr(c, "_fields"):
+            return ("named", c, [self.output(y) for y in x])
+        return ("v", x)
+
+
+def _uses(tmpl, out: set) -> None:
+    """Collect ("al", j) / ("in", i) references of a value / output template."""
+    kind = tmpl[0]
+    if kind == "t":
+        _uses_tensor(tmpl[1], out)
+    elif kind == "d":
+        _uses_tensor(tmpl[3], out)
+    elif kind in ("seq", "named"):
+        for y in tmpl[2]:
+            _uses(y, out)
+    elif kind == "dict":
+        for _, y in tmpl[1]:
+            _uses(y, out)
+
+
+def _uses_tensor(t, out: set) -> None:
+    if t[0] in ("al", "av"):
+        out.add(("al", t[1]))
+    elif t[0] in ("in", "iv"):
+        out.add(("in", t[1]))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# replay
+# ----------------------------------------------------------------------------------------------------------------------
+class _Plan:
+    """A recorded call: steps ("alloc", j, ...) / ("fill", template, v) / ("new", j, op, template, kwargs) (a clone or
+    same-device conversion) / ("copy", dst, src) / ("launch", kernel, grid, args, kwargs, bound) / ("free", refs), and
+    the output template."""
+
+    __slots__ = ("allocs", "steps", "out", "n_inputs")
+
+    def __init__(self, rec: _Recorder, out_tmpl):
+        self.allocs = rec.allocs
+        self.out = out_tmpl
+        self.n_inputs = len(rec.inputs)
+        kept = set()
+        _uses(out_tmpl, kept)
+        used = []
+        for s in rec.steps:
+            refs = set()
+            if s[0] == "fill":
+                _uses_tensor(s[1], refs)
+            elif s[0] == "copy":
+                _uses_tensor(s[1], refs)
+                _uses_tensor(s[2], refs)
+            elif s[0] == "new":
+                refs.add(("al", s[1]))
+                _uses_tensor(s[3], refs)
+            elif s[0] == "launch":
+                for a in s[3]:
+                    _uses(a, refs)
+                for a in s[4].values():
+                    _uses(a, refs)
+            used.append(refs)
+        # allocations nothing reads or returns are not made; everything else is dropped after its last use
+        needed = set().union(*used, kept) if used else set(kept)
+        last = {}
+        for n, refs in enumerate(used):
+            for r in refs:
+                last[r] = n
+        steps = []
+        for n, s in enumerate(rec.steps):
+            if s[0] == "alloc":
+                if ("al", s[1]) in needed:
+                    size, stride, dtype, device = self.allocs[s[1]]
+                    steps.append(("alloc", s[1], size, stride, dtype, device, _contiguous(size, stride)))
+                continue
+            steps.append(s + ((None,) if s[0] == "launch" else ()))
+            dead = tuple(r for r, m in last.items() if m == n and r not in kept)
+            if dead:
+                steps.append(("free", dead))
+        self.steps = steps
+
+    def replay(self, inputs: list):
+        allocs = [None] * len(self.allocs)
+        for n, s in enumerate(self.steps):
+            kind = s[0]
+            if kind == "launch":
+                self._launch(n, s, inputs, allocs)
+            elif kind == "alloc":
+                _, j, size, stride, dtype, device, contiguous = s
+                allocs[j] = torch.empty(size, dtype=dtype, device=device) if contiguous else \
+                    torch.empty_strided(size, stride, dtype=dtype, device=device)
+            elif kind == "fill":
+                _tensor(s[1], inputs, allocs).fill_(s[2])
+            elif kind == "new":     # clone / _to_copy of a tensor on its device
+                allocs[s[1]] = s[2](_tensor(s[3], inputs, allocs), **s[4])
+            elif kind == "copy":
+                _tensor(s[1], inputs, allocs).copy_(_tensor(s[2], inputs, allocs))
+            else:   # free
+                for which, i in s[1]:
+                    if which == "al":
+                        allocs[i] = None
+                    else:
+                        inputs[i] = None
+        return _build(self.out, inputs, allocs)
+
+    def _launch(self, n, s, inputs, allocs):
+        _, kernel, grid, targs, tkwargs, bound = s
+        args = [_value(a, inputs, allocs) for a in targs]
+        kwargs = {k: _value(v, inputs, allocs) for k, v in tkwargs.items()} if tkwargs else {}
+        if bound is None:
+            bound = _launch_mod.bind(kernel, args, kwargs)
+            if bound is not None:
+                self.steps[n] = s[:5] + (bound,)
+        if bound is None or not _launch_mod.fast_ok(kernel):
+            _launch_mod.launch(kernel, grid, *args, **kwargs)
+        else:
+            _launch_mod.fire(bound, grid, args, kwargs)
+
+
+def _contiguous(size, stride) -> bool:
+    expect = 1
+    for s, st in zip(reversed(size), reversed(stride)):
+        if s != 1 and st != expect:
+            return False
+        expect *= s
+    return True
+
+
+def _tensor(t, inputs, allocs):
+    kind = t[0]
+    if kind == "al":
+        return allocs[t[1]]
+    if kind == "in":
+        return inputs[t[1]]
+    if kind == "av":
+        return allocs[t[1]].as_strided(t[2], t[3], t[4])
+    if kind == "iv":
+        x = inputs[t[1]]
+        return x.as_strided(t[2], t[3], x.storage_offset() + t[4])
+    if kind == "c":
+        return t[1]
+    return torch.empty_strided(t[1], t[2], dtype=t[3], device=t[4])
+
+
+def _value(a, inputs, allocs):
+    kind = a[0]
+    if kind == "v":
+        return a[1]
+    if kind == "t":
+        return _tensor(a[1], inputs, allocs)
+    d = object.__new__(a[1])
+    d.__dict__.update(a[2])
+    d.base = _tensor(a[3], inputs, allocs)
+    return d
+
+
+def _build(tmpl, inputs, allocs):
+    kind = tmpl[0]
+    if kind == "t":
+        return _tensor(tmpl[1], inputs, allocs)
+    if kind == "v":
+        return tmpl[1]
+    if kind == "seq":
+        return tmpl[1](_build(y, inputs, allocs) for y in tmpl[2])
+    if kind == "named":
+        return tmpl[1](*[_build(y, inputs, allocs) for y in tmpl[2]])
+    return {k: _build(y, inputs, allocs) for k, y in tmpl[1]}
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the decorator
+# ----------------------------------------------------------------------------------------------------------------------
+class _Entry:
+    __slots__ = ("calls", "plan", "failures", "why")
+
+    def __init__(self):
+        self.calls, self.plan, self.failures, self.why = 0, None, 0, None
+
+
+def _record(fn, args, kwargs, inputs, entry):
+    stream = _launch_mod.current_stream()
+    rec = _Recorder(inputs, stream)
+    _local.recorder = rec
+    _launch_mod.set_recorder(rec)
+    try:
+        with rec:
+            out = fn(*args, **kwargs)
+    finally:
+        _local.recorder = None
+        _launch_mod.set_recorder(None)
+    if rec.bad is None:
+        try:
+            entry.plan = _Plan(rec, rec.output(out))
+        except _Unplannable:
+            rec.bad = "output"
+    if rec.bad is not None:
+        entry.failures += 1
+        entry.why = rec.bad
+    return out
+
+
+def planned(fn):
+    """Decorator: record and replay the host work of ``fn`` per call key (module docstring). ``fn`` must launch
+    every kernel through :func:`gdn.kernels.launch.launch` and return tensors (in tuples, lists, dicts, named
+    tuples) or values that never change between calls of one key."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not ENABLED or _launch_mod.VERIFY or getattr(_local, "recorder", None) is not None:
+            return fn(*args, **kwargs)
+        try:
+            key, inputs = _call_key(wrapper, args, kwargs)
+        except _Unplannable:
+            return fn(*args, **kwargs)
+        entry = _PLANS.get(key)
+        if entry is not None and entry.plan is not None:
+            del args, kwargs    # the plan drops each input at its last use (the caller may hold none)
+            return entry.plan.replay(inputs)
+        if entry is None:
+            if len(_PLANS) >= MAX_PLANS:
+                _PLANS.pop(next(iter(_PLANS)))
+            entry = _PLANS[key] = _Entry()
+        entry.calls += 1
+        if entry.calls < RECORD_AT or entry.failures >= MAX_TRIES:
+            return fn(*args, **kwargs)
+        return _record(fn, args, kwargs, inputs, entry)
+
+    return wrapper
+
+
+def stats() -> dict:
+    """{"plans": keys with a plan, "keys": keys seen, "given_up": keys whose recordings failed MAX_TRIES times,
+    "why": what stopped the last failed recording of each function (an operator, a launch, "output")}."""
+    return {"plans": sum(e.plan is not None for e in _PLANS.values()), "keys": len(_PLANS),
+            "given_up": sum(e.failures >= MAX_TRIES for e in _PLANS.values()),
+            "why": {k[0].__name__: e.why for k, e in _PLANS.items() if e.why is not None}}
+
+
+__all__ = ["planned", "clear", "stats", "ENABLED", "RECORD_AT"]

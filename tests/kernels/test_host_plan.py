@@ -1,0 +1,254 @@
+"""Host plans (gdn.kernels.host_plan): a recorded call's replay equals the Python path it stands for, the key
+separates what the path depends on, and calls the recorder cannot follow are never planned.
+
+On CPU the kernels run in Triton's interpreter (PLAN_CPU on here); the sm_90 paths (TMA descriptors, the compiled
+launcher) are covered on the GPU by ``gdn check --ops chunk_backward`` ("host plan" rows)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from gdn.kernels import host_plan
+from gdn.kernels.launch import launch
+from gdn.testing import make_inputs
+
+CALLS = 4       # per case: plain, recorded, replayed twice (host_plan.RECORD_AT = 2)
+
+
+@pytest.fixture
+def plans(monkeypatch, device):
+    monkeypatch.setattr(host_plan, "PLAN_CPU", device == "cpu")
+    monkeypatch.setattr(host_plan, "ENABLED", True)
+    host_plan.clear()
+    yield host_plan
+    host_plan.clear()
+
+
+def _same(a, b, what):
+    if a is None or b is None:
+        assert a is None and b is None, what
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), what
+    assert torch.equal(a, b), f"{what}: replay differs from the Python path"
+
+
+def _fwd_bwd(x, h0, cu, cu_host, l2, layout, pool=None, idx=None, seed=0):
+    from gdn.ops import chunk_gated_delta_rule
+
+    if pool is not None:
+        with torch.no_grad():
+            o, _ = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
+                                          cu_seqlens=cu, cu_seqlens_cpu=cu_host, use_qk_l2norm_in_kernel=l2,
+                                          state_layout=layout, ssm_state_indices=idx)
+        return [o, pool.clone()]
+    leaves = [t.detach().clone().requires_grad_() for t in (x.q, x.k, x.v, x.g, x.beta)]
+    h = h0.detach().clone().requires_grad_()
+    o, ht = chunk_gated_delta_rule(*leaves, initial_state=h, output_final_state=True, cu_seqlens=cu,
+                                   cu_seqlens_cpu=cu_host, use_qk_l2norm_in_kernel=l2, state_layout=layout)
+    gen = torch.Generator(device=o.device).manual_seed(seed)
+    do = torch.randn(o.shape, generator=gen, device=o.device)
+    dht = torch.randn(ht.shape, generator=gen, device=o.device)
+    grads = torch.autograd.grad((o, ht), leaves + [h], (do, dht))
+    return [o, ht, *grads]
+
+
+@pytest.mark.parametrize("case", ["varlen_gva_l2", "batched_k_last", "pool"])
+def test_replay_equals_python_path(plans, device, nan_empty, case):
+    """Fresh inputs of one key every call; each call run with plans on and again with plans off: bitwise equal
+    (outputs poisoned with NaN by ``nan_empty``, so an element the replay leaves unwritten fails too), and from the
+    third call on the forward and backward are replays."""
+    H, HV, K, V = 1, 2, 32, 16
+    if case == "batched_k_last":
+        B, lens, layout, l2 = 2, None, "k_last", False
+    else:
+        B, lens, layout, l2 = 1, [1, 63, 0, 65, 64], "v_last", case != "pool"
+    T = 66 if lens is None else sum(lens)
+    cu_host = None if lens is None else [0] + torch.tensor(lens).cumsum(0).tolist()
+    cu = None if lens is None else torch.tensor(cu_host, dtype=torch.int32, device=device)
+    N = B if lens is None else len(lens)
+    for call in range(CALLS):
+        x = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, device=device)
+        sshape = (HV, K, V) if layout == "v_last" else (HV, V, K)
+        h0 = torch.randn(N, *sshape, device=device)
+        pool = idx = None
+        if case == "pool":
+            pool = torch.randn(N + 3, *sshape, device=device)
+            idx = torch.tensor([4, -1, 0, 2, 6][:N], dtype=torch.int32, device=device)
+        seed = int(torch.randint(0, 2 ** 31, ()))
+        got = _fwd_bwd(x, h0, cu, cu_host, l2, layout, None if pool is None else pool.clone(), idx, seed)
+        host_plan.ENABLED = False
+        want = _fwd_bwd(x, h0, cu, cu_host, l2, layout, None if pool is None else pool.clone(), idx, seed)
+        host_plan.ENABLED = True
+        for n, (a, b) in enumerate(zip(got, want)):
+            _same(a, b, f"call {call}, output {n}")
+    st = plans.stats()
+    assert st["plans"] == (1 if case == "pool" else 2) and not st["why"], st
+
+
+def test_key_separates_shapes_strides_and_tuning(plans, device, monkeypatch):
+    """A new shape, a strided view instead of a contiguous tensor and another GDN_TUNE are new keys (their own
+    plans, their own results); replays of the first key still match its Python path afterwards."""
+    from gdn.ops import chunk_gated_delta_rule
+
+    def run(x, **kw):
+        with torch.no_grad():
+            return chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, use_qk_l2norm_in_kernel=True, **kw)[0]
+
+    def check(make, **kw):
+        for _ in range(3):
+            x = make()
+            got = run(x, **kw)
+            host_plan.ENABLED = False
+            want = run(x, **kw)
+            host_plan.ENABLED = True
+            _same(got, want, "output")
+
+    base = lambda: make_inputs(1, 70, 1, 2, 32, 16, device=device)  # noqa: E731
+    check(base)
+    assert plans.stats()["plans"] == 1
+    check(lambda: make_inputs(1, 130, 1, 2, 32, 16, device=device))
+    assert plans.stats()["plans"] == 2
+
+    def strided():
+        x = make_inputs(1, 70, 1, 2, 32, 16, device=device)
+        wide = torch.randn(1, 70, 1, 48, device=device)
+        wide[..., :32] = x.q
+        x.q = wide[..., :32]
+        return x
+
+    check(strided)
+    assert plans.stats()["plans"] == 3
+    monkeypatch.setenv("GDN_TUNE", "chunk_fwd.segment_chunks=1")
+    check(base)
+    assert plans.stats()["plans"] == 4
+    monkeypatch.delenv("GDN_TUNE")
+    check(base)
+    assert plans.stats()["plans"] == 4
+
+
+@triton.jit
+def _axpy_kernel(x, y, out, a, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = i < n
+    tl.store(out + i, a * tl.load(x + i, mask=m) + tl.load(y + i, mask=m), mask=m)
+
+
+def _axpy(x, y, a, out):
+    n = x.numel()
+    launch(_axpy_kernel, (triton.cdiv(n, 64),), x, y, out, a, n, BLOCK=64)
+
+
+@host_plan.planned
+def _two_steps(x, y, a: float):
+    """out = a (a x + y) + (x[1:] padded with a zero); through an intermediate, a view of the input and a fill."""
+    tmp = torch.empty_like(x)
+    _axpy(x, y, a, tmp)
+    shifted = torch.zeros_like(x)
+    _axpy(x[1:], shifted[:-1], 1.0, shifted[:-1])
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    _axpy(tmp, shifted, a, out)
+    return out, {"n": x.numel(), "tmp_shape": tuple(tmp.shape)}
+
+
+def _check_two_steps(x, y, a):
+    out, meta = _two_steps(x, y, a)
+    shifted = torch.zeros_like(x)
+    shifted[:-1] = x[1:]
+    torch.testing.assert_close(out, a * (a * x + y) + shifted, rtol=1e-6, atol=1e-6)
+    assert meta == {"n": x.numel(), "tmp_shape": tuple(x.shape)}
+
+
+def test_replay_of_views_fills_and_scalars(plans, device):
+    for _ in range(CALLS):
+        _check_two_steps(torch.randn(100, device=device), torch.randn(100, device=device), 0.5)
+    assert plans.stats()["plans"] == 1
+    # another scalar is another key: recorded anew, not replayed with 0.5
+    for _ in range(CALLS):
+        _check_two_steps(torch.randn(100, device=device), torch.randn(100, device=device), 2.0)
+    assert plans.stats()["plans"] == 2
+
+
+def test_key_separates_aliasing(plans, device):
+    """Recorded with y the same tensor as x, replayed with a distinct y: a new key, not the first call's plan (which
+    may read x where y is meant)."""
+    for _ in range(3):
+        x = torch.randn(100, device=device)
+        _check_two_steps(x, x, 0.5)
+    for _ in range(3):
+        _check_two_steps(torch.randn(100, device=device), torch.randn(100, device=device), 0.5)
+    assert plans.stats()["plans"] == 2
+
+
+def test_replay_of_clones_conversions_and_copies(plans, device):
+    for dtype in (torch.float32, torch.float64):
+        for _ in range(CALLS):
+            x = torch.randn(6, 10, device=device)
+            out = _clones(x, dtype)
+            want = x.t().to(dtype)
+            assert out.dtype == dtype and torch.equal(out[0], want) and torch.equal(out[1], 2 * want)
+    assert plans.stats()["plans"] == 2 and not plans.stats()["why"]
+
+
+def test_replay_frees_intermediates_after_their_last_use(plans, device):
+    """The intermediate tmp of _two_steps is dropped after its last launch, the returned out is kept."""
+    for _ in range(3):
+        _two_steps(torch.randn(10, device=device), torch.randn(10, device=device), 1.0)
+    (entry,) = [e for e in host_plan._PLANS.values() if e.plan is not None]
+    frees = [s[1] for s in entry.plan.steps if s[0] == "free"]
+    dropped = {r for f in frees for r in f}
+    assert ("al", 0) in dropped and ("al", 2) not in dropped and ("in", 0) in dropped, entry.plan.steps
+
+
+@host_plan.planned
+def _computes(x):
+    out = torch.empty_like(x)
+    _axpy(x * 1.0, x, 1.0, out)       # a computation in torch: an operator the plan does not replay
+    return out
+
+
+@host_plan.planned
+def _clones(x, dtype):
+    """x.t() made contiguous and converted on its device, then copied into a view: steps a plan replays."""
+    y = x.t().contiguous().to(dtype)
+    out = torch.empty(2, *y.shape, dtype=dtype, device=x.device)
+    out[0].copy_(y)
+    _axpy(y.reshape(-1), y.reshape(-1), 1.0, out[1].view(-1))
+    return out
+
+
+@host_plan.planned
+def _reads_device_values(x, n):
+    out = torch.empty_like(x)
+    k = int(n.sum())                  # a read of tensor values: the path depends on them
+    _axpy(x, x, float(k), out)
+    return out
+
+
+def test_calls_the_recorder_cannot_follow_are_never_planned(plans, device):
+    for _ in range(5):
+        x = torch.randn(50, device=device)
+        torch.testing.assert_close(_computes(x), 2 * x)
+    for k in (1, 2, 3, 4, 5):
+        x = torch.randn(50, device=device)
+        n = torch.tensor([k], device=device).float()
+        torch.testing.assert_close(_reads_device_values(x, n), (k + 1) * x)
+    st = plans.stats()
+    assert st["plans"] == 0 and st["given_up"] == 2, st
+    assert "mul" in st["why"]["_computes"] and "sum" in st["why"]["_reads_device_values"], st
+
+
+def test_off_unless_asked_for_cpu_calls_and_under_verify(monkeypatch, device):
+    from gdn.kernels import launch as launch_mod
+
+    host_plan.clear()
+    monkeypatch.setattr(host_plan, "PLAN_CPU", False)
+    for _ in range(3):
+        _two_steps(torch.randn(10), torch.randn(10), 1.0)
+    assert host_plan.stats()["keys"] == 0
+    monkeypatch.setattr(host_plan, "PLAN_CPU", True)
+    monkeypatch.setattr(launch_mod, "VERIFY", True)
+    for _ in range(3):
+        _two_steps(torch.randn(10), torch.randn(10), 1.0)
+    assert host_plan.stats()["keys"] == 0
