@@ -252,3 +252,42 @@ def test_off_unless_asked_for_cpu_calls_and_under_verify(monkeypatch, device):
     for _ in range(3):
         _two_steps(torch.randn(10), torch.randn(10), 1.0)
     assert host_plan.stats()["keys"] == 0
+
+
+_PAUSE = {}
+
+
+@host_plan.planned
+def _pausing(x):
+    """Two launches with a pause between them on the recording call (the test's other thread launches meanwhile)."""
+    out = torch.empty_like(x)
+    _axpy(x, x, 1.0, out)
+    ev = _PAUSE.get("ev")
+    if ev is not None:
+        _PAUSE["in"].set()
+        ev.wait(timeout=60)
+    _axpy(out, x, 1.0, out)
+    return out
+
+
+def test_launches_of_other_threads_are_not_recorded(plans, device):
+    import threading
+
+    x = torch.randn(64, device=device)
+    _pausing(x)                                   # first call: the Python path
+    _PAUSE.update(ev=threading.Event(), **{"in": threading.Event()})
+    t = threading.Thread(target=_pausing, args=(x,))
+    t.start()                                     # second call, recorded on thread t
+    try:
+        assert _PAUSE["in"].wait(timeout=60)
+        y = torch.randn(64, device=device)
+        _axpy(y, y, 1.0, torch.empty_like(y))     # a launch of this thread while t records
+    finally:
+        _PAUSE["ev"].set()
+        t.join()
+        _PAUSE.clear()
+    (entry,) = host_plan._PLANS.values()
+    assert entry.plan is not None and sum(s[0] == "launch" for s in entry.plan.steps) == 2
+    for _ in range(2):
+        x = torch.randn(64, device=device)
+        torch.testing.assert_close(_pausing(x), 3 * x)

@@ -11,8 +11,8 @@ The key of a call: the function, and per argument (walked through tuples, lists,
 dtype, shape, strides, device and data pointer modulo 16 (the kernels' alignment specialisation; for integer CPU
 tensors, whose values the host reads, the values too), or the value of an int / float / bool / str / None / dtype /
 device; how the tensors share memory (which share a storage, at what distance); the current CUDA device, whether
-the stream is capturing a graph, GDN_TUNE, the generation of the tuning overrides (``tuning.override`` blocks) and
-:data:`EPOCH`. A call with any other argument type is never planned, nor one whose first argument is not a CUDA
+the stream is capturing a graph, GDN_TUNE, the generation of the tuning overrides (``tuning.override`` blocks),
+Triton's debug / instrumentation knobs and :data:`EPOCH`. A call with any other argument type is never planned, nor one whose first argument is not a CUDA
 tensor (unless :data:`PLAN_CPU`: Triton's interpreter in the tests).
 
 What keeps a replay equal to the call it stands for (checked while recording; any failure leaves the key
@@ -125,7 +125,7 @@ def _call_key(fn, args, kwargs):
     first = args[0] if args else None
     if not (isinstance(first, torch.Tensor) and (first.is_cuda or PLAN_CPU)):
         raise _Unplannable      # the call's device is its first argument's
-    key, inputs = [fn, EPOCH, tune_raw(), _tuning._GENERATION[0]], []
+    key, inputs = [fn, EPOCH, tune_raw(), _tuning._GENERATION[0], _launch_mod.knobs_key()], []
     _walk(args, key, inputs)
     key.append(tuple(kwargs))
     _walk(kwargs.values(), key, inputs)
@@ -151,7 +151,6 @@ def _extent(t: torch.Tensor):
 class _Recorder(TorchDispatchMode):
     def __init__(self, inputs, stream):
         super().__init__()
-        self.thread = threading.get_ident()
         self.inputs = inputs
         self.stream = stream
         self.owners = {}        # storage data pointer -> ("in", [input indices]) or ("al", allocation index)

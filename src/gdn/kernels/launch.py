@@ -118,8 +118,8 @@ def _hooked(hook) -> bool:
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)`` with the host-time fast path above; returns what that returns on the slow
     path (the compiled kernel), None on the fast path."""
-    rec = _RECORDER
-    if rec is not None and rec.thread == threading.get_ident():   # a host plan is being recorded (host_plan.py)
+    rec = _RECORDERS.get(threading.get_ident()) if _RECORDERS else None
+    if rec is not None:     # a host plan is being recorded on this thread (host_plan.py)
         rec.in_launch += 1     # operators run by the launcher itself (the interpreter's copies) are not the call's
         try:
             out = _launch(kernel, grid, args, kwargs)
@@ -138,9 +138,7 @@ def _key(kernel, args, kwargs):
     dynamic = not runtime.isdisjoint(kwargs)
     kw_key = tuple([(k, arg_key(v)) if k in runtime else (k, v) for k, v in kwargs.items()]) if dynamic else \
         tuple(kwargs.items())
-    rt = _knobs.runtime
-    key = (id(kernel), torch.cuda.current_device(), rt.debug, _knobs.compilation.instrumentation_mode,
-           tuple(map(arg_key, args)), kw_key,
+    key = (id(kernel), torch.cuda.current_device(), knobs_key(), tuple(map(arg_key, args)), kw_key,
            tuple([a for a, c in zip(args, is_constexpr) if c]) if True in is_constexpr[:n] else ())
     return key, dynamic
 
@@ -193,13 +191,21 @@ def fire(bound, grid, args, kwargs) -> None:
                  None, *args, *tail)
 
 
-_RECORDER = None
+_RECORDERS: dict = {}   # thread id -> the host-plan recorder of a call running on that thread
 
 
 def set_recorder(rec) -> None:
-    """The host-plan recorder told of every launch of its thread (``rec.on_launch``), or None."""
-    global _RECORDER
-    _RECORDER = rec
+    """Report every launch of this thread to the host-plan recorder ``rec`` (``rec.on_launch``); None: stop."""
+    if rec is None:
+        _RECORDERS.pop(threading.get_ident(), None)
+    else:
+        _RECORDERS[threading.get_ident()] = rec
+
+
+def knobs_key() -> tuple:
+    """Triton's settings that select another compiled kernel for the same arguments (part of every launch key; host
+    plans key on them too, since a replay fires the kernel its first launch bound)."""
+    return _knobs.runtime.debug, _knobs.compilation.instrumentation_mode
 
 
 def current_stream():
@@ -210,4 +216,4 @@ def current_stream():
     return _raw_stream(torch.cuda.current_device())
 
 
-__all__ = ["launch", "arg_key", "bind", "fire", "fast_ok", "set_recorder", "VERIFY"]
+__all__ = ["launch", "arg_key", "bind", "fire", "fast_ok", "set_recorder", "knobs_key", "current_stream", "VERIFY"]
