@@ -40,6 +40,11 @@ def device():
 @pytest.fixture
 def nan_empty(monkeypatch):
     """torch.empty fills new float tensors with NaN, so an element a kernel forgets to write shows up."""
+    # torch._dynamo keeps the torch functions it sees when first imported; a first import under this patch (a
+    # TorchDispatchMode's first operator imports it: host plans record under one) would make later torch.compile
+    # calls treat the real torch.empty as an unknown builtin
+    import torch._dynamo  # noqa: F401
+
     orig = torch.empty
 
     def empty(*args, **kwargs):

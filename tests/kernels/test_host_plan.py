@@ -239,18 +239,19 @@ def test_calls_the_recorder_cannot_follow_are_never_planned(plans, device):
     assert "mul" in st["why"]["_computes"] and "sum" in st["why"]["_reads_device_values"], st
 
 
-def test_off_unless_asked_for_cpu_calls_and_under_verify(monkeypatch, device):
+def test_off_for_cpu_calls_unless_asked_and_under_verify(monkeypatch, device):
     from gdn.kernels import launch as launch_mod
 
     host_plan.clear()
-    monkeypatch.setattr(host_plan, "PLAN_CPU", False)
-    for _ in range(3):
-        _two_steps(torch.randn(10), torch.randn(10), 1.0)
-    assert host_plan.stats()["keys"] == 0
-    monkeypatch.setattr(host_plan, "PLAN_CPU", True)
+    if device == "cpu":     # (with CUDA, kernels take no CPU tensors)
+        monkeypatch.setattr(host_plan, "PLAN_CPU", False)
+        for _ in range(3):
+            _check_two_steps(torch.randn(10), torch.randn(10), 1.0)
+        assert host_plan.stats()["keys"] == 0
+    monkeypatch.setattr(host_plan, "PLAN_CPU", device == "cpu")
     monkeypatch.setattr(launch_mod, "VERIFY", True)
     for _ in range(3):
-        _two_steps(torch.randn(10), torch.randn(10), 1.0)
+        _check_two_steps(torch.randn(10, device=device), torch.randn(10, device=device), 1.0)
     assert host_plan.stats()["keys"] == 0
 
 
