@@ -181,6 +181,23 @@ def test_key_separates_aliasing(plans, device):
     assert plans.stats()["plans"] == 2
 
 
+@host_plan.planned
+def _filled(x):
+    """Allocations with fill values (full, new_full, ones_like), combined by a launch."""
+    a = torch.full((5,), 1.5, device=x.device)
+    b = x.new_full((5,), 2.5)
+    out = torch.ones_like(x[:5])
+    _axpy(a, b, 2.0, out)
+    return out
+
+
+def test_replay_of_filled_allocations(plans, device):
+    for _ in range(CALLS):
+        out = _filled(torch.randn(8, device=device))
+        assert torch.equal(out, torch.full((5,), 5.5, device=device))
+    assert plans.stats()["plans"] == 1 and not plans.stats()["why"]
+
+
 def test_replay_of_clones_conversions_and_copies(plans, device):
     for dtype in (torch.float32, torch.float64):
         for _ in range(CALLS):

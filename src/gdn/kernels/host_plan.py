@@ -28,6 +28,7 @@ a replay's peak memory is at most the recorded call's. ``launch.VERIFY`` (``gdn 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 
@@ -50,7 +51,8 @@ _ALLOC_OPS = {_aten.empty.memory_format: None, _aten.empty_strided.default: None
               _aten.new_empty.default: None, _aten.new_empty_strided.default: None, _aten.zeros.default: 0,
               _aten.zeros_like.default: 0, _aten.new_zeros.default: 0, _aten.ones.default: 1,
               _aten.ones_like.default: 1, _aten.new_ones.default: 1}
-_FULL_OPS = (_aten.full.default, _aten.full_like.default, _aten.new_full.default)
+_FULL_OPS = {_aten.full.default: lambda a: a[1], _aten.full_like.default: lambda a: a[1],      # -> the fill value
+             _aten.new_full.default: lambda a: a[2]}
 _FILL_OPS = (_aten.zero_.default, _aten.fill_.Scalar)
 _NEW_FROM = (_aten.clone.default, _aten._to_copy.default)     # a new tensor from one tensor on its device
 _VIEWS = (_aten._unsafe_view.default, _aten.alias.default)
@@ -198,6 +200,13 @@ class _Recorder(TorchDispatchMode):
             return ("t", self.template(a))
         base = getattr(a, "base", None)
         if isinstance(base, torch.Tensor) and hasattr(a, "__dict__"):    # a TMA tensor descriptor
+            # its declared fields only, and nothing else on it: an attribute a launcher might have cached on the
+            # object (an encoded tensor map of the recorded base) must not travel into a replay
+            if not dataclasses.is_dataclass(a):
+                raise _Unplannable
+            names = {f.name for f in dataclasses.fields(a)}
+            if not set(a.__dict__) <= names:
+                raise _Unplannable
             fields = {k: v for k, v in a.__dict__.items() if k != "base"}
             if any(isinstance(v, torch.Tensor) for v in fields.values()):
                 raise _Unplannable
@@ -227,8 +236,7 @@ class _Recorder(TorchDispatchMode):
             if func in _ALLOC_OPS or func in _FULL_OPS:
                 if not isinstance(out, torch.Tensor):
                     raise _Unplannable
-                fill = _ALLOC_OPS.get(func) if func in _ALLOC_OPS else args[-1] if func is _aten.full.default \
-                    else args[1]
+                fill = _ALLOC_OPS[func] if func in _ALLOC_OPS else _FULL_OPS[func](args)
                 self.alloc(out, fill)
             elif func in _NEW_FROM:
                 src = args[0]
