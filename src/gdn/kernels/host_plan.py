@@ -12,8 +12,8 @@ dtype, shape, strides, device and data pointer modulo 16 (the kernels' alignment
 tensors, whose values the host reads, the values too), or the value of an int / float / bool / str / None / dtype /
 device; how the tensors share memory (which share a storage, at what distance); the current CUDA device, whether
 the stream is capturing a graph, GDN_TUNE, the generation of the tuning overrides (``tuning.override`` blocks),
-Triton's debug / instrumentation knobs and :data:`EPOCH`. A call with any other argument type is never planned, nor one whose first argument is not a CUDA
-tensor (unless :data:`PLAN_CPU`: Triton's interpreter in the tests).
+Triton's debug / instrumentation knobs and :data:`EPOCH`. A call with any other argument type is never planned, nor
+one whose first argument is not a CUDA tensor (unless :data:`PLAN_CPU`: Triton's interpreter in the tests).
 
 What keeps a replay equal to the call it stands for (checked while recording; any failure leaves the key
 unplanned): every torch operator the call runs is seen by a ``TorchDispatchMode``: allocations (``empty``,
@@ -157,7 +157,7 @@ class _Recorder(TorchDispatchMode):
         self.stream = stream
         self.owners = {}        # storage data pointer -> ("in", [input indices]) or ("al", allocation index)
         self.allocs = []        # (size, stride, dtype, device)
-        self.steps = []         # ("alloc", j) / ("fill", template, value) / ("launch", kernel, grid, args, kwargs)
+        self.steps = []         # ("alloc", j) / ("fill", ...) / ("new", ...) / ("copy", ...) / ("launch", ...): _Plan
         self.bad = None
         self.in_launch = 0      # > 0 inside a launch: the launcher's own operators are not recorded
         for i, x in enumerate(inputs):
@@ -182,11 +182,7 @@ class _Recorder(TorchDispatchMode):
                 return ("al", j)
             return ("av", j, tuple(t.shape), t.stride(), t.storage_offset())
         lo, hi = _extent(t)
-        for i in owner[1]:
-            x = self.inputs[i]
-            if t is x:
-                return ("in", i)
-        for i in owner[1]:
+        for i in owner[1]:      # (inputs on one storage keep their distances in every call of the key: _aliasing)
             x = self.inputs[i]
             xlo, xhi = _extent(x)
             if x.dtype == t.dtype and xlo <= lo and hi <= xhi:
@@ -316,12 +312,11 @@ class _Plan:
     same-device conversion) / ("copy", dst, src) / ("launch", kernel, grid, args, kwargs, bound) / ("free", refs), and
     the output template."""
 
-    __slots__ = ("allocs", "steps", "out", "n_inputs")
+    __slots__ = ("allocs", "steps", "out")
 
     def __init__(self, rec: _Recorder, out_tmpl):
         self.allocs = rec.allocs
         self.out = out_tmpl
-        self.n_inputs = len(rec.inputs)
         kept = set()
         _uses(out_tmpl, kept)
         used = []
