@@ -497,10 +497,12 @@ if G.AVAILABLE:
         HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HB: gl.constexpr,
         INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
-        NS: gl.constexpr,
+        NS: gl.constexpr, auxd=None, AUX: gl.constexpr = False,
     ):
         """One warpgroup's 64 rows (V columns i_v BV + half HB ..) of the register-state chain; the tiles and gates
-        of chunk c come from ring stage c % NS (filled by ``_t_loader``), released on ``emp`` when done."""
+        of chunk c come from ring stage c % NS (filled by ``_t_loader``), released on ``emp`` when done. AUX
+        (``hopper_aux``): Ainv, P and the gate rows of a stage come from the aux partition, waited for on ``auxd``
+        after the two products that need only the TMA tiles are issued."""
         C: gl.constexpr = 64
         tok0 = i_b * T
         dt: gl.constexpr = k_s.dtype
@@ -538,6 +540,8 @@ if G.AVAILABLE:
             gts = s * 8                     # this stage's gate rows
             qst = warpgroup_mma(sa, q_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             kst = warpgroup_mma(sa, k_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+            if AUX:
+                mbarrier.wait(auxd.index(s), (it // NS) & 1)
             vt = v_s.index(s).slice(half * HB, HB, dim=1).permute((1, 0)).load(m64)
             qst, kst, sa = warpgroup_mma_wait(0, deps=[qst, kst, sa])
             # the token vectors are read from the gate rows where used (again for dec below), not held: in this
@@ -631,12 +635,12 @@ _GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # register budgets (``gl.warp_specialize``'s worker_num_regs; no spills in the Triton 3.6 sm_90 builds, 8 B at 216 on
 # 3.9): the fused kernel's output partition; the register-state kernel's second chain partition; the load warp of both
 # (the fused kernel's at V tile 32). Nine warps launch as three warpgroups (the load warp's padded to four) at
-# 65536 / 384 -> 168 registers each, and the default partition then claims 256 (setmaxnreg): the workers must leave it
-# room, or that claim waits forever (gdn.aot checks every build's claims)
+# 65536 / 384 -> 168 registers each (504 per thread slot); the workers claim theirs inside the region and the default
+# partition gets the rest, at most 256 (Triton's AllocateWarpGroups pass; gdn.aot.default_partition_regs checks the
+# PTX): 504 - 216 - 32 = 256 for the register-state kernel's first chain partition
 OUTPUT_PARTITION_REGS = 160
 T_CHAIN_REGS = 216
 T_LOADER_REGS = 32
-assert 256 + max(T_CHAIN_REGS, OUTPUT_PARTITION_REGS) + T_LOADER_REGS <= 3 * 168, "partitions exceed the CTA's registers"
 
 
 def _aligned(t: torch.Tensor) -> bool:
