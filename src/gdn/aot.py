@@ -385,31 +385,6 @@ def compile_hopper_fused_t_pass(dtype=None, **flags):
     return compile_gluon(m._chunk_fused_t_sm90_kernel, args, cx)
 
 
-def compile_hopper_fused_aux_pass(dtype=None, **flags):
-    """The one-kernel forward (gdn.kernels.chunk.hopper_aux: register-state chain + prepare partition) for one
-    configuration."""
-    import torch
-    from .kernels.chunk import hopper as m
-    from .kernels.chunk import hopper_aux as ma
-
-    dt = dtype or torch.bfloat16
-    B, T, H, HV, K, V = 1, 256, 2, 4, 128, 128
-    q = torch.empty(B, T, H, K, dtype=dt)
-    v = torch.empty(B, T, HV, V, dtype=dt)
-    dn = m._GL_DT[dt]
-    f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
-    row = m._desc(m._rows2d(q), (64, K), dn)
-    args = dict(k_desc=row, v_desc=m._desc(m._rows2d(v), (64, V), dn), q_desc=row, g=f32,
-                beta=torch.empty(4, dtype=dt), o=torch.empty(4, dtype=dt), h0=f32, ht=f32, h0_idx=i32, ht_idx=i32,
-                o_idx=i32, segments=i32, cu_seqlens=i32, T=T, P0=3, P1=3, PO=3, scale=0.5, s_gb=3, s_gt=3, s_gh=1,
-                s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3, s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
-    cx = dict(H=H, HV=HV, K=K, V=V, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
-              STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True, NS=2, WREGS=ma.AUX_CHAIN_REGS,
-              AREGS=ma.AUX_REGS, LREGS=ma.AUX_LOADER_REGS, num_warps=4)
-    cx.update(flags)
-    return compile_gluon(ma._chunk_fused_aux_sm90_kernel, args, cx)
-
-
 def compile_hopper_dh_pass(BV=32, NS=2, dtype=None, K=128, **flags):
     """The Hopper reverse pass of the backward (gdn.kernels.chunk.backward.hopper) for one configuration."""
     import torch

@@ -72,11 +72,6 @@ class ChunkForward:
     # at V tile 128 (hopper._chunk_fused_t_sm90_kernel: two warpgroups, each 64 rows of S^T in registers, every
     # chained operand a register A operand; state._fused_output_plan)
     state_sm90_fused_t: bool = True
-    # ... and there, for inference forwards that keep nothing (no h / v_new / Ainv, no checkpoints, unsegmented), the
-    # prepare inside the same kernel (hopper_aux._chunk_fused_aux_sm90_kernel: a fourth partition computes chunk
-    # c + 1's Ainv and P while the chain runs chunk c; one launch, no Ainv / P in memory). Off: its aux partition
-    # takes ~9 us per chunk against the chain's 2.9 (bench/NOTES.md, "One-kernel forward")
-    state_sm90_fused_aux: bool = False
     # ... also as the final pass of segmented plans (few heads over long sequences), with segments re-planned so that
     # its grid fits one wave (state._one_wave_len): no h / v_new in memory there either. H100 A/B in
     # bench/NOTES.md (kernel sums 1x8192 4/8 351 -> 206 us, 8/16 396 -> 341, 1x65536 2/8 1255 -> 1191)

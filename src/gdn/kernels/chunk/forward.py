@@ -26,7 +26,7 @@ from .common import CHUNK_SIZE, _check_chunk_size, _dot_dtype, _empty, _state_dt
 from .output import chunk_output
 from .plan import prepare_chunk_indices
 from .prepare import chunk_fwd_prepare
-from .state import chunk_fused_aux_pass, chunk_state_pass, fused_aux_ok, fused_output_plan
+from .state import chunk_state_pass, fused_output_plan
 from .backward import wants_forward_w
 
 
@@ -69,13 +69,6 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     fused_ok = not return_states or (cfg.state_sm90_fused_states and h_dtype == dt)
     bv_fused, plan = (fused_output_plan(q, k, v, ci, segment_chunks, ckpt, states=return_states)
                       if (fused_ok and from_ainv and a_dtype == dt) else (0, None))
-    if not (return_states or store_ainv) and fused_aux_ok(q, k, v, bv_fused, plan):
-        # Hopper, multi-sequence inference: prepare, state pass and output in one kernel (hopper_aux)
-        o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
-        ht = chunk_fused_aux_pass(q, k, v, g, beta, scale, ci, plan, l2, o, initial_state, output_final_state,
-                                  cu_seqlens, state_layout=state_layout, final_state=final_state,
-                                  state_indices=state_indices, final_indices=final_indices)
-        return o, ht, dict(g_cum=None, ainv=None, h=None, v_new=None, chunk_index=ci, rk=None, rq=None, w=None)
     if cfg.piece_token_heads and not (_whole or return_states or store_ainv or ckpt or final_indices is not None) \
             and state_indices is None and final_state is None and (ci.N == 1 or cu_seqlens is None) \
             and not (plan is not None and plan.segmented):

@@ -497,12 +497,10 @@ if G.AVAILABLE:
         HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HB: gl.constexpr,
         INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
-        NS: gl.constexpr, auxd=None, AUX: gl.constexpr = False,
+        NS: gl.constexpr,
     ):
         """One warpgroup's 64 rows (V columns i_v BV + half HB ..) of the register-state chain; the tiles and gates
-        of chunk c come from ring stage c % NS (filled by ``_t_loader``), released on ``emp`` when done. AUX
-        (``hopper_aux``): Ainv, P and the gate rows of a stage come from the aux partition, waited for on ``auxd``
-        after the two products that need only the TMA tiles are issued."""
+        of chunk c come from ring stage c % NS (filled by ``_t_loader``), released on ``emp`` when done."""
         C: gl.constexpr = 64
         tok0 = i_b * T
         dt: gl.constexpr = k_s.dtype
@@ -540,8 +538,6 @@ if G.AVAILABLE:
             gts = s * 8                     # this stage's gate rows
             qst = warpgroup_mma(sa, q_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             kst = warpgroup_mma(sa, k_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-            if AUX:
-                mbarrier.wait(auxd.index(s), (it // NS) & 1)
             vt = v_s.index(s).slice(half * HB, HB, dim=1).permute((1, 0)).load(m64)
             qst, kst, sa = warpgroup_mma_wait(0, deps=[qst, kst, sa])
             # the token vectors are read from the gate rows where used (again for dec below), not held: in this

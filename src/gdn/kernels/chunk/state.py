@@ -18,10 +18,9 @@ from .. import tuning
 from ..common import cdiv, l2_rnorm
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _pow2, _rn,
                      _seq_span, _state_row, _strides3)
-from . import hopper, hopper_aux
+from . import hopper
 from .plan import (ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, one_wave_segment_len, one_wave_tile,
                    plan_segments)
-from .prepare import _solve_precision
 from .segments import merge_segment_states
 
 
@@ -523,45 +522,4 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     return h, v_new, ht
 
 
-def fused_aux_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bv: int, plan) -> bool:
-    """Whether an inference forward whose fused plan (:func:`fused_output_plan`) took the register-state kernel (V
-    tile 128, unsegmented) runs as one kernel with its prepare inside (``hopper_aux``; the tuning field
-    ``chunk_fwd.state_sm90_fused_aux``)."""
-    cfg = tuning.chunk_fwd(k.device)
-    if not (bv == 128 and plan is not None and not plan.segmented and cfg.state_sm90_fused_aux and cfg.prepare_sm90):
-        return False
-    # the aux partition solves as the Gluon prepare does (tf32 products, Ainv in the tensor-core dtype)
-    dt = _dot_dtype(k, v)
-    return (cfg.ainv_dtype != "fp32" and _solve_precision(cfg, dt, dt) == "tf32"
-            and hopper_aux.supported(q, k, v))
-
-
-def chunk_fused_aux_pass(q, k, v, g, beta, scale, ci: ChunkIndex, plan, use_qk_l2norm_in_kernel: bool, o,
-                         initial_state=None, output_final_state=False, cu_seqlens=None, state_layout="v_last",
-                         final_state=None, state_indices=None, final_indices=None):
-    """The whole inference forward in one Hopper kernel (``hopper_aux``; :func:`fused_aux_ok` said yes): o written
-    into ``o`` [B, T, HV, V] (contiguous), returns the final state (None unless asked for or ``final_state`` given),
-    as :func:`chunk_state_pass` returns it; g and beta raw ([B, T, HV], any strides and float dtype)."""
-    B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
-    ht = final_state
-    if ht is None and output_final_state:
-        shape = (ci.N, HV, K, V) if state_layout == "v_last" else (ci.N, HV, V, K)
-        ht = _empty(*shape, device=k.device, dtype=torch.float32)
-    if ci.N == 0 or HV == 0:
-        return ht
-    idx = state_indices
-    P = initial_state.shape[0] if initial_state is not None else 0
-    out_idx = idx if final_indices is None else _written_rows(final_indices, idx, P_read=P)
-    hopper_aux.launch_fused_aux_pass(
-        (1, HV, plan.S), q, k, v, g, beta, o, initial_state, ht,
-        idx if idx is not None else ci.chunk_offsets, out_idx if out_idx is not None else ci.chunk_offsets,
-        idx, plan.segments, _cu_arg(cu_seqlens, ci.chunk_offsets), T, P, ht.shape[0] if ht is not None else 0, P,
-        scale, _strides3(g), _strides3(beta), _state_strides(initial_state, state_layout),
-        _state_strides(ht, state_layout), H=H, HV=HV, use_l2=bool(use_qk_l2norm_in_kernel),
-        is_varlen=ci.is_varlen, INIT=1 if initial_state is not None else 0, H0_BY_SEG=False,
-        H0_INDEXED=idx is not None, HT_BY_SEG=False, HT_INDEXED=idx is not None)
-    return ht
-
-
-__all__ = ["chunk_state_pass", "chunk_fused_aux_pass", "fused_aux_ok"]
+__all__ = ["chunk_state_pass"]
