@@ -456,7 +456,7 @@ def compile_hopper_prepare(K=128, dtype=None, maxnreg=None, **flags):
                 cu_seqlens=i32, T=T,
                 scale=0.5, s_gb=T * HV, s_gt=HV, s_gh=1, s_bb=T * HV, s_bt=HV, s_bh=1)
     cx = dict(H=H, HV=HV, K=K, USE_L2=True, IS_VARLEN=True, STORE_RK=True, STORE_P=True, STORE_RQ=True, STORE_W=False,
-              num_warps=4)
+              SOLVE_F16=True, num_warps=4)
     cx.update(flags)
     return compile_gluon(mp._chunk_prepare_sm90_kernel, args, cx, options={"maxnreg": maxnreg} if maxnreg else None)
 
@@ -464,7 +464,9 @@ def compile_hopper_prepare(K=128, dtype=None, maxnreg=None, **flags):
 PREPARE_CONFIGS = [dict(maxnreg=r, **f) for r in (None, 168)
                    for f in (dict(), dict(STORE_P=False), dict(USE_L2=False, IS_VARLEN=False, STORE_RK=False),
                              dict(K=64), dict(dtype="float16", H=4))] + \
-    [dict(maxnreg=168, STORE_W=True), dict(maxnreg=168, STORE_W=True, K=64)]     # the training forward's (W stored)
+    [dict(maxnreg=168, STORE_W=True), dict(maxnreg=168, STORE_W=True, K=64)] + \
+    [dict(maxnreg=168, SOLVE_F16=False, **f)        # the tf32 solve (chunk_fwd.solve_sm90_f16 off)
+     for f in (dict(), dict(STORE_P=False), dict(STORE_W=True), dict(K=64), dict(dtype="float16", H=4))]
 
 
 PARTS_CONFIGS = [dict(), dict(USE_L2=False, IS_VARLEN=False), dict(K=64), dict(dtype="float16"),

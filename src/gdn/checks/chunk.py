@@ -348,4 +348,22 @@ def chunk_prepare_elementwise(device):
             ry = forward_w(y)
             compare(f"{label} forward W (sm_90) vs W recompute", ry[2],
                     recompute_w_u(y.k, y.v, y.beta, ry[1], ry[0], cu, 64, True, store_u=False)[0], 1e-2)
+        # the fp16 solve's overflow fallback (chunk_fwd.solve_sm90_f16): raw keys (no L2 norm) of norm ~0.3 but two
+        # tokens per chunk (0 and 10) along one direction with norm 300, so A[10, 0] ~ 8e4 > fp16's 65504 in every
+        # chunk: redone in tf32, Ainv (entries up to ~1e6) as the tf32 Gluon solve's and the portable kernel's
+        y = make_inputs(1, T, H, HV, s["K"], s["V"], dtype=torch.bfloat16, device=device)
+        kb = y.k.float() * 0.03
+        u = torch.randn(s["K"], device=device)
+        kb[0, 0::64] = 300 * u / u.norm()
+        kb[0, 10::64] = 300 * u / u.norm()
+        y = dataclasses.replace(y, k=kb.to(torch.bfloat16), g=torch.zeros_like(y.g), beta=torch.full_like(y.beta, 0.9))
+        res = []
+        for sm90, f16 in ((False, False), (True, False), (True, True)):
+            with override("chunk_fwd", prepare_sm90=sm90, solve_sm90_f16=f16):
+                res.append(chunk_fwd_prepare(y.k, y.v, y.g, y.beta, cu, 64, False, store_wu=False,
+                                             ainv_dtype=y.k.dtype)[1])
+        out.append(Result("chunk", "prepare fp16 solve, overflowing chunks: Ainv finite",
+                          0.0 if bool(torch.isfinite(res[2]).all()) else float("inf"), 0.0))
+        compare("fp16 solve, overflowing chunks: Ainv vs the tf32 solve (sm_90)", res[2], res[1], 1e-2)
+        compare("fp16 solve, overflowing chunks: Ainv vs portable", res[2], res[0], 1e-2)
     return out

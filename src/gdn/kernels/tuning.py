@@ -35,6 +35,10 @@ class ChunkForward:
     # (0: none; 168: 3 CTAs per SM instead of 2, no spills; without P it builds at ~133 and runs uncapped)
     prepare_sm90: bool = True
     prepare_sm90_maxnreg: int = 168
+    # the sm_90 prepare's solve products in fp16 (tf32's 10-bit mantissa, half the operand bytes, row-major right
+    # operands) instead of tf32; a chunk whose fp16 products overflow is redone in tf32. H100: prepare -4 to -8%
+    # (bench/results/prepare_f16_solve_ab_h100.json)
+    solve_sm90_f16: bool = True
     # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half
     # inputs, else tf32x3; or "ieee", "tf32x3", "tf32", "bf16")
     solve_precision: str = "auto"

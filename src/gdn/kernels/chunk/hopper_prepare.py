@@ -15,8 +15,11 @@ The solve (same math and tf32 products as the portable ``_unit_lower_inverse64``
 blocks D_b of A are inverted by forward substitution on a [4, 16, 16] stack laid out so that each thread holds
 half a column of one block's inverse (the row of D_b it needs comes from shared memory as a broadcast; a step is 8
 FMAs, one shuffle and 8 selects per thread); with Dinv the block-diagonal inverse and M = Dinv L (L: A below the
-diagonal blocks, M^4 = 0), ``(I + A)^-1 = (I - M + M^2 - M^3) Dinv``: four 64 x 64 tf32 wgmma, the left operand
-from registers, the right one stored transposed (K-major, as tf32 wgmma requires).
+diagonal blocks, M^4 = 0), ``(I + A)^-1 = (I - M + M^2 - M^3) Dinv``: four 64 x 64 wgmma, the left operand
+from registers. With SOLVE_F16 (``chunk_fwd.solve_sm90_f16``) their operands are fp16 (tf32's 10-bit mantissa, half
+the bytes, the right operand row-major) and a chunk whose products overflow fp16 (a non-finite result; raw keys of
+large norm) is redone from A, kept in the fp32 scratch, with tf32 products (the right operand stored transposed,
+K-major, as tf32 wgmma requires).
 
 Rows of a partial chunk past its sequence hold the next sequence's tokens (or TMA zero fill): beta is 0 there, so
 they add nothing to A, and nothing is stored for them.
@@ -56,7 +59,8 @@ if G.AVAILABLE:
         gl.store(ptr + offs[:, None] + cc[None, :], y, mask=(r < nv)[:, None])
 
     @gluon.jit
-    def _unit_lower_inverse_sm90(A, d_s, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr):
+    def _unit_lower_inverse_sm90(A, d_s, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr, l16=None, dt16=None,
+                                 F16: gl.constexpr = False):
         """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A in layout ``mma`` (module docstring). Scratch
         (fp32): d_s [64, 16] plain, l_s and dt_s [64, 64] NVMMA. The diagonal blocks are cut from A and Dinv^T is
         assembled in registers (A viewed as [4, 16, 4, 16] blocks; a select reshaped back to [64, 64]), so only the
@@ -66,6 +70,27 @@ if G.AVAILABLE:
         cl: gl.constexpr = gl.SliceLayout(0, mma)
         tr = gl.arange(0, C, layout=rl)
         tc = gl.arange(0, C, layout=cl)
+        low = (tr[:, None] // 16) > (tc[None, :] // 16)
+        if F16:
+            # fp16 has tf32's 10-bit mantissa but not its range: A is kept in ``l_s`` so that a chunk whose fp16
+            # products overflow (|entries| > 65504: adversarial gates / keys only) is redone in tf32 from it
+            l_s.store(A)
+            ai = _neumann_f16(A, _block_inverses(A, d_s, mma, num_warps), low, tr, tc, l16, dt16, mma)
+            if not (gl.max(gl.max(gl.abs(ai), axis=1), axis=0) < 1.0e30):
+                cta_barrier()
+                A2 = l_s.load(mma)
+                cta_barrier()
+                ai = _neumann_tf32(A2, _block_inverses(A2, d_s, mma, num_warps), low, tr, tc, l_s, dt_s, mma,
+                                   num_warps)
+        else:
+            ai = _neumann_tf32(A, _block_inverses(A, d_s, mma, num_warps), low, tr, tc, l_s, dt_s, mma, num_warps)
+        return ai
+
+    @gluon.jit
+    def _block_inverses(A, d_s, mma: gl.constexpr, num_warps: gl.constexpr):
+        """Dinv^T [64, 64] fp32 in registers: the transposed inverses of the four 16 x 16 unit lower diagonal blocks
+        I + D_b of A (``mma`` layout), zeros elsewhere (scratch d_s [64, 16] fp32)."""
+        C: gl.constexpr = 64
         # ---- the diagonal blocks as rows 4 i + b of d_s [64, 16]: D_b[i, :] (A as [b, i, c, k], the c == b slice)
         l4d: gl.constexpr = gl.BlockedLayout([1, 1, 4, 4], [1, 8, 1, 4], [num_warps, 1, 1, 1], [3, 2, 1, 0])
         a4 = gl.convert_layout(gl.reshape(A, [4, 16, 4, 16]), l4d)
@@ -89,7 +114,39 @@ if G.AVAILABLE:
         b4 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
         c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, l4))))
         y4 = gl.expand_dims(gl.convert_layout(yt, gl.SliceLayout(2, l4)), 2)
-        dinv_t = gl.reshape(gl.where(b4[:, None, None, None] == c4[None, None, :, None], y4, 0.0), [C, C])
+        return gl.reshape(gl.where(b4[:, None, None, None] == c4[None, None, :, None], y4, 0.0), [C, C])
+
+    @gluon.jit
+    def _neumann_f16(A, dinv_t, low, tr, tc, l16, dt16, mma: gl.constexpr):
+        """(I - M + M^2 - M^3) Dinv with M = Dinv L as fp16 wgmma (fp32 accumulators; Dinv^T [64, 64] in registers,
+        L = A below the diagonal blocks): the left operands from registers, the right ones row-major in shared memory
+        (``l16`` for L then M, ``dt16`` for Dinv^T, fp16 [64, 64] NVMMA). Returns fp32 in ``mma``."""
+        C: gl.constexpr = 64
+        f16: gl.constexpr = gl.float16
+        dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        dt16.store(dinv_t.to(f16))
+        l16.store(gl.where(low, A, 0.0).to(f16))
+        fence_async_shared()
+        cta_barrier()
+        dinv = dt16.permute((1, 0)).load(dot_a)
+        zero = gl.zeros([C, C], gl.float32, layout=mma)
+        m = warpgroup_mma(dinv, l16, zero, use_acc=False)
+        cta_barrier()
+        l16.store(m.to(f16))
+        fence_async_shared()
+        cta_barrier()
+        x = gl.where(tr[:, None] == tc[None, :], 1.0, 0.0) - m
+        m = warpgroup_mma(gl.convert_layout(m.to(f16), dot_a), l16, zero, use_acc=False)      # M^2
+        x += m
+        m = warpgroup_mma(gl.convert_layout(m.to(f16), dot_a), l16, zero, use_acc=False)      # M^3
+        x -= m
+        return warpgroup_mma(gl.convert_layout(x.to(f16), dot_a), dt16.permute((1, 0)), zero, use_acc=False)
+
+    @gluon.jit
+    def _neumann_tf32(A, dinv_t, low, tr, tc, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr):
+        """:func:`_neumann_f16` with tf32 products (instruction K = 8; tf32 right operands must be K-major, so they
+        are stored transposed) in fp32 scratch ``l_s`` / ``dt_s``."""
+        C: gl.constexpr = 64
         # the tf32 products (instruction K = 8); the accumulator layout is ``mma``'s
         mt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                      instr_shape=[16, C, 8])
@@ -99,7 +156,6 @@ if G.AVAILABLE:
         cta_barrier()
         dinv = dt_s.permute((1, 0)).load(dot_a)
         # ---- M = Dinv L, M^2, M^3 = M^2 M, (I - M + M^2 - M^3) Dinv; right operands stored transposed
-        low = (tr[:, None] // 16) > (tc[None, :] // 16)
         l_s.store(gl.permute(gl.where(low, A, 0.0), (1, 0)))
         fence_async_shared()
         cta_barrier()
@@ -123,7 +179,7 @@ if G.AVAILABLE:
         scale, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
         STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, STORE_W: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False,
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
@@ -226,7 +282,14 @@ if G.AVAILABLE:
             dt_s = _as_f32_tile(q_s, C, nvmma)
         else:
             dt_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
-        ai = _unit_lower_inverse_sm90(a, d_s, l_s, dt_s, mma, num_warps)
+        if SOLVE_F16:
+            f16t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.float16)
+            l16 = gl.allocate_shared_memory(gl.float16, [C, C], f16t)
+            dt16 = gl.allocate_shared_memory(gl.float16, [C, C], f16t)
+        else:
+            l16 = d_s
+            dt16 = d_s
+        ai = _unit_lower_inverse_sm90(a, d_s, l_s, dt_s, mma, num_warps, l16, dt16, SOLVE_F16)
         ai = ai.to(dt)
         _store_tile(ainv, ai, row_off, nv, C, num_warps)
         if STORE_W:
@@ -252,7 +315,7 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
 
 
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
-                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None):
+                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None, solve_f16=False):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
     P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with q and the L2 norm; the caller
     passes it only then); ``w`` [B, T, HV, K] (contiguous, k's dtype): also W. Unused tensors may be None."""
@@ -265,7 +328,7 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
         qf if qf is not None else g_cum, w if w is not None else ainv, chunk_indices,
         cu_seqlens if cu_seqlens is not None else chunk_indices, T, float(scale), *s_g, *s_beta,
         H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
-        STORE_P=q is not None, STORE_RQ=rq is not None, STORE_W=w is not None, num_warps=4,
+        STORE_P=q is not None, STORE_RQ=rq is not None, STORE_W=w is not None, num_warps=4, SOLVE_F16=bool(solve_f16),
         **({"maxnreg": maxnreg} if maxnreg else {}))
 
 
