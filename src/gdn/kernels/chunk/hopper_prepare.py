@@ -15,11 +15,12 @@ The solve (same math and tf32 products as the portable ``_unit_lower_inverse64``
 blocks D_b of A are inverted by forward substitution on a [4, 16, 16] stack laid out so that each thread holds
 half a column of one block's inverse (the row of D_b it needs comes from shared memory as a broadcast; a step is 8
 FMAs, one shuffle and 8 selects per thread); with Dinv the block-diagonal inverse and M = Dinv L (L: A below the
-diagonal blocks, M^4 = 0), ``(I + A)^-1 = (I - M + M^2 - M^3) Dinv``: four 64 x 64 wgmma, the left operand
-from registers. With SOLVE_F16 (``chunk_fwd.solve_sm90_f16``) their operands are fp16 (tf32's 10-bit mantissa, half
-the bytes, the right operand row-major) and a chunk whose products overflow fp16 (a non-finite result; raw keys of
-large norm) is redone from A, kept in the fp32 scratch, with tf32 products (the right operand stored transposed,
-K-major, as tf32 wgmma requires).
+diagonal blocks, M^4 = 0), ``(I + A)^-1 = (I - M + M^2 - M^3) Dinv``: four 64 x 64 tf32 wgmma in a row, the left
+operand from registers, the right one stored transposed (K-major, as tf32 wgmma requires). With SOLVE_F16
+(``chunk_fwd.solve_sm90_f16``, the default) the products are fp16 (tf32's 10-bit mantissa, half the bytes, the right
+operand row-major) and three deep: with N = L Dinv (N^4 = 0), ``(I + A)^-1 = Z (I + N^2)``, Z = Dinv - Dinv N, where
+N^2 and Dinv N run side by side; a chunk whose fp16 products overflow (a non-finite result; raw keys of large norm)
+is redone from A, kept in the fp32 scratch, by the tf32 form.
 
 Rows of a partial chunk past its sequence hold the next sequence's tokens (or TMA zero fill): beta is 0 there, so
 they add nothing to A, and nothing is stored for them.
@@ -118,29 +119,34 @@ if G.AVAILABLE:
 
     @gluon.jit
     def _neumann_f16(A, dinv_t, low, tr, tc, l16, dt16, mma: gl.constexpr):
-        """(I - M + M^2 - M^3) Dinv with M = Dinv L as fp16 wgmma (fp32 accumulators; Dinv^T [64, 64] in registers,
-        L = A below the diagonal blocks): the left operands from registers, the right ones row-major in shared memory
-        (``l16`` for L then M, ``dt16`` for Dinv^T, fp16 [64, 64] NVMMA). Returns fp32 in ``mma``."""
+        """(I + A)^-1 from Dinv^T [64, 64] (registers) and L = A below the diagonal blocks, as fp16 wgmma with fp32
+        accumulators, the left operands from registers, the right ones row-major in shared memory (``l16``, ``dt16``:
+        fp16 [64, 64] NVMMA; Dinv^T in ``dt16``). Three dependent steps: N = L Dinv; N^2 and Dinv N side by side;
+        ``Z (I + N^2)`` with Z = Dinv - Dinv N (I + A = (I + N)(I + D), N^4 = 0, so (I + A)^-1 = Dinv (I - N)(I + N^2)).
+        Returns fp32 in ``mma``."""
         C: gl.constexpr = 64
         f16: gl.constexpr = gl.float16
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+        zero = gl.zeros([C, C], gl.float32, layout=mma)
         dt16.store(dinv_t.to(f16))
-        l16.store(gl.where(low, A, 0.0).to(f16))
+        fence_async_shared()
+        cta_barrier()
+        la = gl.convert_layout(gl.where(low, A, 0.0).to(f16), dot_a)
+        n = warpgroup_mma(la, dt16.permute((1, 0)), zero, use_acc=False)                    # N = L Dinv
+        l16.store(n.to(f16))
         fence_async_shared()
         cta_barrier()
         dinv = dt16.permute((1, 0)).load(dot_a)
-        zero = gl.zeros([C, C], gl.float32, layout=mma)
-        m = warpgroup_mma(dinv, l16, zero, use_acc=False)
+        n2 = warpgroup_mma(gl.convert_layout(n.to(f16), dot_a), l16, zero, use_acc=False, is_async=True)
+        dn = warpgroup_mma(dinv, l16, zero, use_acc=False, is_async=True)
+        z = dt16.permute((1, 0)).load(mma).to(gl.float32)
+        n2, dn = warpgroup_mma_wait(0, deps=[n2, dn])
+        z = z - dn                                                                            # Z = Dinv - Dinv N
         cta_barrier()
-        l16.store(m.to(f16))
+        l16.store(n2.to(f16))
         fence_async_shared()
         cta_barrier()
-        x = gl.where(tr[:, None] == tc[None, :], 1.0, 0.0) - m
-        m = warpgroup_mma(gl.convert_layout(m.to(f16), dot_a), l16, zero, use_acc=False)      # M^2
-        x += m
-        m = warpgroup_mma(gl.convert_layout(m.to(f16), dot_a), l16, zero, use_acc=False)      # M^3
-        x -= m
-        return warpgroup_mma(gl.convert_layout(x.to(f16), dot_a), dt16.permute((1, 0)), zero, use_acc=False)
+        return warpgroup_mma(gl.convert_layout(z.to(f16), dot_a), l16, z)                   # Z + Z N^2
 
     @gluon.jit
     def _neumann_tf32(A, dinv_t, low, tr, tc, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr):
