@@ -32,7 +32,8 @@ class ChunkForward:
     prepare_maxnreg: int = 128
     # sm_90: the forward's prepare (Ainv, g_cum, r_k; P and qf) as the Gluon kernel of
     # gdn.kernels.chunk.hopper_prepare where it supports the launch (bench/NOTES.md); its register cap with P
-    # (0: none; 168: 3 CTAs per SM instead of 2, no spills; without P it builds at ~133 and runs uncapped)
+    # (0: none; 168: 3 CTAs per SM instead of 2, no spills); without P the tf32 solve builds at ~138 and runs
+    # uncapped, the fp16 solve (solve_sm90_f16, with its tf32 fallback) at 174, so it takes the cap too (no spills)
     prepare_sm90: bool = True
     prepare_sm90_maxnreg: int = 168
     # the sm_90 prepare's solve products in fp16 (tf32's 10-bit mantissa, half the operand bytes, row-major right

@@ -259,7 +259,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
             k, q, g, beta, g_cum, ainv, rk if store_rk else None, p, qf, ci.chunk_indices,
             cu_seqlens, ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
             use_l2=bool(use_qk_l2norm_in_kernel), is_varlen=ci.is_varlen,
-            maxnreg=(int(cfg.prepare_sm90_maxnreg) or None) if q is not None else None,
+            maxnreg=(int(cfg.prepare_sm90_maxnreg) or None) if (q is not None or cfg.solve_sm90_f16) else None,
             rq=rq if store_rq else None, w=w, solve_f16=cfg.solve_sm90_f16)
         return (g_cum, ainv, w, u) + extra
     BK = min(int(cfg.prepare_BK), _pow2(K))
