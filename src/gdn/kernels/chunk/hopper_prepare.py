@@ -63,7 +63,8 @@ if G.AVAILABLE:
     def _unit_lower_inverse_sm90(A, d_s, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr, l16=None, dt16=None,
                                  F16: gl.constexpr = False):
         """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A in layout ``mma`` (module docstring). Scratch
-        (fp32): d_s [64, 16] plain, l_s and dt_s [64, 64] NVMMA. The diagonal blocks are cut from A and Dinv^T is
+        (fp32): d_s [64, 16] plain, l_s and dt_s [64, 64] NVMMA; with F16 (the fp16 products, tf32 where they
+        overflow) also l16 and dt16, fp16 [64, 64] NVMMA. The diagonal blocks are cut from A and Dinv^T is
         assembled in registers (A viewed as [4, 16, 4, 16] blocks; a select reshaped back to [64, 64]), so only the
         substitution's rows and the products' operands go through shared memory. Returns fp32 in ``mma``."""
         C: gl.constexpr = 64
