@@ -77,7 +77,7 @@ if G.AVAILABLE:
             # fp16 has tf32's 10-bit mantissa but not its range: A is kept in ``l_s`` so that a chunk whose fp16
             # products overflow (|entries| > 65504: adversarial gates / keys only) is redone in tf32 from it
             l_s.store(A)
-            ai = _neumann_f16(A, _block_inverses(A, d_s, mma, num_warps), low, tr, tc, l16, dt16, mma)
+            ai = _neumann_f16(A, _block_inverses(A, d_s, mma, num_warps), low, l16, dt16, mma)
             if not (gl.max(gl.max(gl.abs(ai), axis=1), axis=0) < 1.0e30):
                 cta_barrier()
                 A2 = l_s.load(mma)
@@ -119,7 +119,7 @@ if G.AVAILABLE:
         return gl.reshape(gl.where(b4[:, None, None, None] == c4[None, None, :, None], y4, 0.0), [C, C])
 
     @gluon.jit
-    def _neumann_f16(A, dinv_t, low, tr, tc, l16, dt16, mma: gl.constexpr):
+    def _neumann_f16(A, dinv_t, low, l16, dt16, mma: gl.constexpr):
         """(I + A)^-1 from Dinv^T [64, 64] (registers) and L = A below the diagonal blocks, as fp16 wgmma with fp32
         accumulators, the left operands from registers, the right ones row-major in shared memory (``l16``, ``dt16``:
         fp16 [64, 64] NVMMA; Dinv^T in ``dt16``). Three dependent steps: N = L Dinv; N^2 and Dinv N side by side;
