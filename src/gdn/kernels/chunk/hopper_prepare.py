@@ -17,10 +17,12 @@ half a column of one block's inverse (the row of D_b it needs comes from shared 
 FMAs, one shuffle and 8 selects per thread); with Dinv the block-diagonal inverse and M = Dinv L (L: A below the
 diagonal blocks, M^4 = 0), ``(I + A)^-1 = (I - M + M^2 - M^3) Dinv``: four 64 x 64 tf32 wgmma in a row, the left
 operand from registers, the right one stored transposed (K-major, as tf32 wgmma requires). With SOLVE_F16
-(``chunk_fwd.solve_sm90_f16``, the default) the products are fp16 (tf32's 10-bit mantissa, half the bytes, the right
-operand row-major) and three deep: with N = L Dinv (N^4 = 0), ``(I + A)^-1 = Z (I + N^2)``, Z = Dinv - Dinv N, where
-N^2 and Dinv N run side by side; a chunk whose fp16 products overflow (a non-finite result; raw keys of large norm)
-is redone from A, kept in the fp32 scratch, by the tf32 form.
+(``chunk_fwd.solve_sm90_f16``, the default) the blocks are 8 x 8 and the products fp16 (tf32's 10-bit mantissa, half
+the bytes, the right operand row-major): each 8 x 8 diagonal block lies in one warp's accumulator registers, so its
+inverse is a 7-step forward substitution by warp shuffles with no shared memory (``_diag8_inverse``); then with
+N = L Dinv (N^8 = 0), ``(I + A)^-1 = Dinv (I - N)(I + N^2)(I + N^4)`` in four dependent levels of wgmma. A chunk whose
+fp16 products overflow (a non-finite result; raw keys of large norm) is redone from A, kept in the fp32 scratch, by
+the tf32 form.
 
 Rows of a partial chunk past its sequence hold the next sequence's tokens (or TMA zero fill): beta is 0 there, so
 they add nothing to A, and nothing is stored for them.
@@ -64,9 +66,7 @@ if G.AVAILABLE:
                                  F16: gl.constexpr = False):
         """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A in layout ``mma`` (module docstring). Scratch
         (fp32): d_s [64, 16] plain, l_s and dt_s [64, 64] NVMMA; with F16 (the fp16 products, tf32 where they
-        overflow) also l16 and dt16, fp16 [64, 64] NVMMA. The diagonal blocks are cut from A and Dinv^T is
-        assembled in registers (A viewed as [4, 16, 4, 16] blocks; a select reshaped back to [64, 64]), so only the
-        substitution's rows and the products' operands go through shared memory. Returns fp32 in ``mma``."""
+        overflow) also l16 and dt16, fp16 [64, 64] NVMMA. Returns fp32 in ``mma``."""
         C: gl.constexpr = 64
         rl: gl.constexpr = gl.SliceLayout(1, mma)
         cl: gl.constexpr = gl.SliceLayout(0, mma)
@@ -77,7 +77,8 @@ if G.AVAILABLE:
             # fp16 has tf32's 10-bit mantissa but not its range: A is kept in ``l_s`` so that a chunk whose fp16
             # products overflow (|entries| > 65504: adversarial gates / keys only) is redone in tf32 from it
             l_s.store(A)
-            ai = _neumann_f16(A, _block_inverses(A, d_s, mma, num_warps), low, l16, dt16, mma)
+            low8 = (tr[:, None] // 8) > (tc[None, :] // 8)
+            ai = _neumann8_f16(A, _diag8_inverse(A, mma), low8, l16, dt16, mma)
             if not (gl.max(gl.max(gl.abs(ai), axis=1), axis=0) < 1.0e30):
                 cta_barrier()
                 A2 = l_s.load(mma)
@@ -91,7 +92,9 @@ if G.AVAILABLE:
     @gluon.jit
     def _block_inverses(A, d_s, mma: gl.constexpr, num_warps: gl.constexpr):
         """Dinv^T [64, 64] fp32 in registers: the transposed inverses of the four 16 x 16 unit lower diagonal blocks
-        I + D_b of A (``mma`` layout), zeros elsewhere (scratch d_s [64, 16] fp32)."""
+        I + D_b of A (``mma`` layout), zeros elsewhere (scratch d_s [64, 16] fp32). The diagonal blocks are cut from A
+        and Dinv^T is assembled in registers (A viewed as [4, 16, 4, 16] blocks; a select reshaped back to [64, 64]),
+        so only the substitution's rows go through shared memory."""
         C: gl.constexpr = 64
         # ---- the diagonal blocks as rows 4 i + b of d_s [64, 16]: D_b[i, :] (A as [b, i, c, k], the c == b slice)
         l4d: gl.constexpr = gl.BlockedLayout([1, 1, 4, 4], [1, 8, 1, 4], [num_warps, 1, 1, 1], [3, 2, 1, 0])
@@ -119,40 +122,87 @@ if G.AVAILABLE:
         return gl.reshape(gl.where(b4[:, None, None, None] == c4[None, None, :, None], y4, 0.0), [C, C])
 
     @gluon.jit
-    def _neumann_f16(A, dinv_t, low, l16, dt16, mma: gl.constexpr):
-        """(I + A)^-1 from Dinv^T [64, 64] (registers) and L = A below the diagonal blocks, as fp16 wgmma with fp32
-        accumulators, the left operands from registers, the right ones row-major in shared memory (``l16``, ``dt16``:
-        fp16 [64, 64] NVMMA; Dinv^T in ``dt16``). Three dependent steps: N = L Dinv; N^2 and Dinv N side by side;
-        ``Z (I + N^2)`` with Z = Dinv - Dinv N (I + A = (I + N)(I + D), N^4 = 0, so (I + A)^-1 = Dinv (I - N)(I + N^2)).
-        Returns fp32 in ``mma``."""
+    def _shfl(x, src):
+        """fp32 ``x`` from lane ``src`` (int32, same shape and layout) of the same warp, register by register."""
+        y = gl.inline_asm_elementwise("shfl.sync.idx.b32 $0, $1, $2, 31, -1;", "=r,r,r",
+                                      [x.to(gl.int32, bitcast=True), src], dtype=gl.int32, is_pure=True, pack=1)
+        return y.to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _diag8_inverse(A, mma: gl.constexpr):
+        """Dinv [64, 64] fp32 in ``mma`` (the 4-warp wgmma accumulator layout): the inverses of the eight 8 x 8 unit
+        lower diagonal blocks I + D_b of the strictly lower A (same layout), zeros elsewhere. Warp w holds rows
+        16 w .. 16 w + 15, so block b lies in warp b // 2: lane 4 r + c holds its row r, columns 2 c and 2 c + 1
+        (registers of the column group j = b). A is viewed as [w, h, r, j, c, e] (row 16 w + 8 h + r, column
+        8 j + 2 c + e), the j = 2 w + h entries picked; forward substitution Y[r, :] -= D[r, s] Y[s, :], s = 0 .. 6,
+        with D[r, s] and Y[s, :] fetched by warp shuffles (no shared memory)."""
+        C: gl.constexpr = 64
+        L6: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 0, 0, 1], [0, 1, 0, 0, 0, 0], [0, 0, 0, 1, 0, 0], [0, 0, 0, 2, 0, 0],
+                       [0, 0, 0, 4, 0, 0]],
+            lane_bases=[[0, 0, 0, 0, 1, 0], [0, 0, 0, 0, 2, 0], [0, 0, 1, 0, 0, 0], [0, 0, 2, 0, 0, 0],
+                        [0, 0, 4, 0, 0, 0]],
+            warp_bases=[[1, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0]], block_bases=[], shape=[4, 2, 8, 8, 4, 2])
+        S6: gl.constexpr = [4, 2, 8, 8, 4, 2]
+        tr = gl.arange(0, C, layout=gl.SliceLayout(1, mma))
+        tc = gl.arange(0, C, layout=gl.SliceLayout(0, mma))
+        zi = gl.zeros([C, C], gl.int32, layout=mma)
+        row6 = gl.convert_layout(gl.reshape(tr[:, None] + zi, S6), L6)
+        col6 = gl.convert_layout(gl.reshape(tc[None, :] + zi, S6), L6)
+        a6 = gl.convert_layout(gl.reshape(A, S6), L6)
+        diag6 = (row6 // 8) == (col6 // 8)
+        d = gl.sum(gl.where(diag6, a6, 0.0), axis=3)               # [w, h, r, c, e] = D_b[r, 2 c + e]
+        rr = gl.max(row6 % 8, axis=3)
+        cc = gl.max(col6 % 8, axis=3)
+        y = gl.where(rr == cc, 1.0, 0.0)
+        for s in gl.static_range(7):
+            dpair = _shfl(d, rr * 4 + s // 2)                         # D[r, 2 (s // 2) + e]
+            f = gl.sum(gl.where(cc % 2 == s % 2, dpair, 0.0), axis=4)  # D[r, s]
+            y = y - gl.expand_dims(f, 4) * _shfl(y, (cc // 2) + 4 * s)  # Y[s, 2 c + e]
+        y6 = gl.where(diag6, gl.expand_dims(y, 3), 0.0)
+        return gl.convert_layout(gl.reshape(y6, [C, C]), mma)
+
+    @gluon.jit
+    def _neumann8_f16(A, dinv, low, l16, dt16, mma: gl.constexpr):
+        """(I + A)^-1 from Dinv (the 8 x 8 diagonal blocks' inverses, registers) and L = A below those blocks
+        (``low``), as fp16 wgmma with fp32 accumulators (left operands from registers, right ones row-major in
+        ``l16`` / ``dt16``, fp16 [64, 64] NVMMA). With N = L Dinv (N^8 = 0), I + A = (I + N)(I + D), so
+        (I + A)^-1 = Dinv (I - N)(I + N^2)(I + N^4): N; N^2 and Dinv N side by side; N^4 and Z + Z N^2
+        (Z = Dinv - Dinv N); Z2 + Z2 N^4. Returns fp32 in ``mma``."""
         C: gl.constexpr = 64
         f16: gl.constexpr = gl.float16
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         zero = gl.zeros([C, C], gl.float32, layout=mma)
-        dt16.store(dinv_t.to(f16))
+        dt16.store(dinv.to(f16))
         fence_async_shared()
         cta_barrier()
         la = gl.convert_layout(gl.where(low, A, 0.0).to(f16), dot_a)
-        n = warpgroup_mma(la, dt16.permute((1, 0)), zero, use_acc=False)                    # N = L Dinv
+        n = warpgroup_mma(la, dt16, zero, use_acc=False)                                     # N = L Dinv
         l16.store(n.to(f16))
         fence_async_shared()
         cta_barrier()
-        dinv = dt16.permute((1, 0)).load(dot_a)
         n2 = warpgroup_mma(gl.convert_layout(n.to(f16), dot_a), l16, zero, use_acc=False, is_async=True)
-        dn = warpgroup_mma(dinv, l16, zero, use_acc=False, is_async=True)
-        z = dt16.permute((1, 0)).load(mma).to(gl.float32)
+        dn = warpgroup_mma(gl.convert_layout(dinv.to(f16), dot_a), l16, zero, use_acc=False, is_async=True)
         n2, dn = warpgroup_mma_wait(0, deps=[n2, dn])
-        z = z - dn                                                                            # Z = Dinv - Dinv N
+        z = dinv - dn                                                                         # Z = Dinv - Dinv N
         cta_barrier()
         l16.store(n2.to(f16))
         fence_async_shared()
         cta_barrier()
-        return warpgroup_mma(gl.convert_layout(z.to(f16), dot_a), l16, z)                   # Z + Z N^2
+        n4 = warpgroup_mma(gl.convert_layout(n2.to(f16), dot_a), l16, zero, use_acc=False, is_async=True)
+        z = warpgroup_mma(gl.convert_layout(z.to(f16), dot_a), l16, z, is_async=True)          # Z + Z N^2
+        n4, z = warpgroup_mma_wait(0, deps=[n4, z])
+        cta_barrier()
+        l16.store(n4.to(f16))
+        fence_async_shared()
+        cta_barrier()
+        return warpgroup_mma(gl.convert_layout(z.to(f16), dot_a), l16, z)                    # Z2 + Z2 N^4
 
     @gluon.jit
     def _neumann_tf32(A, dinv_t, low, tr, tc, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr):
-        """:func:`_neumann_f16` with tf32 products (instruction K = 8; tf32 right operands must be K-major, so they
-        are stored transposed) in fp32 scratch ``l_s`` / ``dt_s``."""
+        """(I + A)^-1 from Dinv^T (the 16 x 16 diagonal blocks' inverses, transposed, registers) and L = A below
+        those blocks (``low``) as tf32 wgmma: with M = Dinv L (M^4 = 0), (I - M + M^2 - M^3) Dinv; tf32 right operands
+        must be K-major, so they are stored transposed in the fp32 scratch ``l_s`` / ``dt_s``."""
         C: gl.constexpr = 64
         # the tf32 products (instruction K = 8); the accumulator layout is ``mma``'s
         mt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -186,7 +236,7 @@ if G.AVAILABLE:
         scale, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
         STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, STORE_W: gl.constexpr,
-        num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False,
+        num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False, 
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
@@ -258,8 +308,11 @@ if G.AVAILABLE:
             rk_c = gl.full([C], 1.0, gl.float32, layout=cl)
         if STORE_RK:
             gl.store(rk_out + tok_r * H + i_h, rk_r, mask=m_r & (i_hv % (HV // H) == 0))
-        gam = gl.exp(gl.where(causal, c_r[:, None] - c_c[None, :], 0.0))
-        a = gl.where(tc[None, :] < tr[:, None], kk * (b_r * rk_r)[:, None] * rk_c[None, :] * gam, 0.0)
+        # gam = Gamma diag(r_k): one exp2 per element, 0 above the diagonal; shared by A and P
+        LOG2E: gl.constexpr = 1.4426950408889634
+        gam = gl.exp2(gl.where(causal, (c_r * LOG2E)[:, None] - (c_c * LOG2E)[None, :], float("-inf")))
+        gam = gam * rk_c[None, :]
+        a = gl.where(tc[None, :] < tr[:, None], (kk * gam) * (b_r * rk_r)[:, None], 0.0)
         row_off = (tok_r * HV + i_hv) * C
         if STORE_W:
             # W's column factors beta e^c r_k (0 past the sequence) through shared memory: not live in the solve
@@ -274,7 +327,7 @@ if G.AVAILABLE:
             else:
                 rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
             qk = warpgroup_mma_wait(0, deps=[qk])
-            att = gl.where(causal, qk * rq[:, None] * rk_c[None, :] * gam, 0.0)
+            att = (qk * gam) * rq[:, None]
             _store_tile(p_out, att.to(dt), row_off, nv, C, num_warps)
             gl.store(qf_out + tok_r * HV + i_hv, rq * gl.exp(c_r), mask=m_r)
         mbarrier.invalidate(bar)
