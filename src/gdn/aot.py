@@ -465,6 +465,7 @@ PREPARE_CONFIGS = [dict(maxnreg=r, **f) for r in (None, 168)
                    for f in (dict(), dict(STORE_P=False), dict(USE_L2=False, IS_VARLEN=False, STORE_RK=False),
                              dict(K=64), dict(dtype="float16", H=4))] + \
     [dict(maxnreg=168, STORE_W=True), dict(maxnreg=168, STORE_W=True, K=64)] + \
+    [dict(maxnreg=128, STORE_P=False), dict(maxnreg=128, STORE_P=False, K=64)] + \
     [dict(maxnreg=168, SOLVE_F16=False, **f)        # the tf32 solve (chunk_fwd.solve_sm90_f16 off)
      for f in (dict(), dict(STORE_P=False), dict(STORE_W=True), dict(K=64), dict(dtype="float16", H=4))]
 

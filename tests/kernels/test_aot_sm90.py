@@ -56,3 +56,20 @@ def test_register_split_of_warp_specialized_kernels():
     assert out[0] == "'' 256", out
     assert out[1] == "'' 240", out
     assert "no setmaxnreg to [40]" in out[2], out
+
+
+def test_sm90_prepare_register_caps():
+    """The sm_90 prepare's cap by mode (bench/NOTES.md Kept table): 168 with P or W, 128 without (the fp16 solve),
+    uncapped for the tf32 solve without P; 0 in the tuning table means uncapped; the configurations gdn.aot compiles
+    include each cap as launched."""
+    import gdn.aot as A
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk.prepare import _sm90_prepare_cap
+
+    cfg = tuning.chunk_fwd()
+    assert (_sm90_prepare_cap(cfg, True), _sm90_prepare_cap(cfg, False)) == (168, 128)
+    with tuning.override("chunk_fwd", solve_sm90_f16=False):
+        assert (_sm90_prepare_cap(tuning.chunk_fwd(), True), _sm90_prepare_cap(tuning.chunk_fwd(), False)) == (168, None)
+    with tuning.override("chunk_fwd", prepare_sm90_maxnreg=0, prepare_sm90_maxnreg_nop=0):
+        assert (_sm90_prepare_cap(tuning.chunk_fwd(), True), _sm90_prepare_cap(tuning.chunk_fwd(), False)) == (None, None)
+    assert dict(maxnreg=128, STORE_P=False) in A.PREPARE_CONFIGS and dict(maxnreg=168) in A.PREPARE_CONFIGS

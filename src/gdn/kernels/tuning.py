@@ -33,9 +33,12 @@ class ChunkForward:
     # sm_90: the forward's prepare (Ainv, g_cum, r_k; P and qf) as the Gluon kernel of
     # gdn.kernels.chunk.hopper_prepare where it supports the launch (bench/NOTES.md); its register cap with P
     # (0: none; 168: 3 CTAs per SM instead of 2, no spills); without P the tf32 solve builds at ~138 and runs
-    # uncapped, the fp16 solve (solve_sm90_f16, with its tf32 fallback) at 174, so it takes the cap too (no spills)
+    # uncapped, the fp16 solve (solve_sm90_f16, with its tf32 fallback) takes the cap below
     prepare_sm90: bool = True
     prepare_sm90_maxnreg: int = 168
+    # its cap without P (and without W): 128, four CTAs per SM, 0-40 B of spills; H100 -6 to -9% against 168
+    # (bench/results/prepare_nop_cap128_ab_h100.json); with P 128 spills 112-208 B and is 3-6% slower
+    prepare_sm90_maxnreg_nop: int = 128
     # the sm_90 prepare's solve products in fp16 (tf32's 10-bit mantissa, half the operand bytes, row-major right
     # operands) instead of tf32; a chunk whose fp16 products overflow is redone in tf32. H100: prepare -4 to -8%
     # (bench/results/prepare_f16_solve_ab_h100.json)

@@ -197,6 +197,14 @@ def _chunk_prepare_kernel(
                      mask=m[:, None] & mv[None, :])
 
 
+def _sm90_prepare_cap(cfg, with_p_or_w: bool):
+    """The sm_90 prepare's register cap (None: uncapped): the P / W builds at ``prepare_sm90_maxnreg``; without
+    them the fp16 solve's build at ``prepare_sm90_maxnreg_nop``, the tf32 one uncapped (~138 registers)."""
+    if with_p_or_w:
+        return int(cfg.prepare_sm90_maxnreg) or None
+    return (int(cfg.prepare_sm90_maxnreg_nop) or None) if cfg.solve_sm90_f16 else None
+
+
 def _solve_precision(cfg, dt: torch.dtype, store_dtype: torch.dtype) -> str:
     """Precision of the 64x64 products of the triangular solve: the ``chunk_fwd.solve_precision`` field, where "auto" means tf32
     when the result is stored in half precision from half inputs (the forward), else tf32x3 (~fp32)."""
@@ -259,7 +267,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
             k, q, g, beta, g_cum, ainv, rk if store_rk else None, p, qf, ci.chunk_indices,
             cu_seqlens, ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
             use_l2=bool(use_qk_l2norm_in_kernel), is_varlen=ci.is_varlen,
-            maxnreg=(int(cfg.prepare_sm90_maxnreg) or None) if (q is not None or cfg.solve_sm90_f16) else None,
+            maxnreg=_sm90_prepare_cap(cfg, q is not None or keep_w),
             rq=rq if store_rq else None, w=w, solve_f16=cfg.solve_sm90_f16)
         return (g_cum, ainv, w, u) + extra
     BK = min(int(cfg.prepare_BK), _pow2(K))
