@@ -289,17 +289,26 @@ if G.AVAILABLE:
         c_c = gl.convert_layout(c_r, cl)
         gl.store(gcum + tok_r * HV + i_hv, c_r, mask=m_r)
 
-        # ---- K K^T (and Q Q^T, then Q K^T); r_k, r_q from the diagonals; A while Q K^T runs
+        # ---- Q Q^T first (r_q off its diagonal, so that its accumulator is dead before the other two land), then
+        # K K^T and Q K^T; r_k from K K^T's diagonal; A while Q K^T runs
         zero = gl.zeros([C, C], gl.float32, layout=mma)
         mbarrier.wait(bar, 0)
+        diag = tr[:, None] == tc[None, :]
+        if STORE_P:
+            if USE_L2:
+                qq = warpgroup_mma(q_s, q_s.permute((1, 0)), zero, use_acc=False)
+                rq = gl.rsqrt(gl.sum(gl.where(diag, qq, 0.0), axis=1) + 1e-6)
+                if STORE_RQ:
+                    gl.store(rq_out + tok_r * H + i_h, rq, mask=m_r & (i_hv % (HV // H) == 0))
+                rq = rq * scale
+            else:
+                rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
         kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         if STORE_P:
-            qq = warpgroup_mma(q_s, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
             qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-            kk, qq = warpgroup_mma_wait(1, deps=[kk, qq])
+            kk = warpgroup_mma_wait(1, deps=[kk])
         else:
             kk = warpgroup_mma_wait(0, deps=[kk])
-        diag = tr[:, None] == tc[None, :]
         if USE_L2:
             rk_r = gl.rsqrt(gl.sum(gl.where(diag, kk, 0.0), axis=1) + 1e-6)
             rk_c = gl.convert_layout(rk_r, cl)
@@ -312,24 +321,18 @@ if G.AVAILABLE:
         LOG2E: gl.constexpr = 1.4426950408889634
         gam = gl.exp2(gl.where(causal, (c_r * LOG2E)[:, None] - (c_c * LOG2E)[None, :], float("-inf")))
         gam = gam * rk_c[None, :]
-        a = gl.where(tc[None, :] < tr[:, None], (kk * gam) * (b_r * rk_r)[:, None], 0.0)
         row_off = (tok_r * HV + i_hv) * C
         if STORE_W:
             # W's column factors beta e^c r_k (0 past the sequence) through shared memory: not live in the solve
             fw_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             fw_s.store(b_r * gl.exp(c_r) * rk_r)
         if STORE_P:
-            if USE_L2:
-                rq = gl.rsqrt(gl.sum(gl.where(diag, qq, 0.0), axis=1) + 1e-6)
-                if STORE_RQ:
-                    gl.store(rq_out + tok_r * H + i_h, rq, mask=m_r & (i_hv % (HV // H) == 0))
-                rq = rq * scale
-            else:
-                rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
             qk = warpgroup_mma_wait(0, deps=[qk])
             att = (qk * gam) * rq[:, None]
             _store_tile(p_out, att.to(dt), row_off, nv, C, num_warps)
             gl.store(qf_out + tok_r * HV + i_hv, rq * gl.exp(c_r), mask=m_r)
+        # A after P: Q K^T's accumulator is dead before A takes registers
+        a = gl.where(tc[None, :] < tr[:, None], (kk * gam) * (b_r * rk_r)[:, None], 0.0)
         mbarrier.invalidate(bar)
         # the solve's two NVMMA scratch tiles in the k / q tiles' bytes where these hold 16 KB (dead once the products
         # are waited for)
