@@ -450,7 +450,9 @@ def compile_hopper_prepare(K=128, dtype=None, maxnreg=None, **flags):
     x = torch.empty(B, T, H, K, dtype=dt)
     f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
     row = m._desc(m._rows2d(x), (64, K), m._GL_DT[dt])
-    args = dict(k_desc=row, q_desc=row, g=f32, beta=torch.empty(4, dtype=dt), gcum=f32, ainv=torch.empty(4, dtype=dt),
+    a = torch.empty(B, T, HV, 64, dtype=dt)
+    tile = m._desc(m._rows2d(a), (64, 64), m._GL_DT[dt])
+    args = dict(k_desc=row, q_desc=row, a_desc=tile, p_desc=tile, g=f32, beta=torch.empty(4, dtype=dt), gcum=f32, ainv=torch.empty(4, dtype=dt),
                 rk_out=f32, rq_out=f32, p_out=torch.empty(4, dtype=dt), qf_out=f32, w_out=torch.empty(4, dtype=dt),
                 chunk_indices=i32,
                 cu_seqlens=i32, T=T,

@@ -9,7 +9,8 @@ Per CTA (one chunk of C = 64 tokens, one value head; notation of ``prepare.py``)
     c                     cumsum(g) as a masked row sum
     K K^T, Q Q^T, Q K^T   asynchronous wgmma; r_k and r_q are the inverse norms read off the diagonals
     A, P, qf              A = strictLower(diag(beta r_k) (Gamma * K K^T) diag(r_k)); P and qf with q
-    Ainv = (I + A)^-1     below; Ainv and P leave through 16-byte stores of the valid rows
+    Ainv = (I + A)^-1     below; Ainv and P of a full chunk leave by TMA stores from a staging tile, a
+                          partial chunk's by 16-byte stores of its valid rows
 
 The solve (same math and tf32 products as the portable ``_unit_lower_inverse64``): the four 16 x 16 diagonal
 blocks D_b of A are inverted by forward substitution on a [4, 16, 16] stack laid out so that each thread holds
@@ -37,8 +38,8 @@ from ..tuning import capability
 from .hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok
 
 if G.AVAILABLE:
-    from .hopper import _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma_load, warpgroup_mma, \
-        warpgroup_mma_wait
+    from .hopper import _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store, \
+        warpgroup_mma, warpgroup_mma_wait
 
     _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(G.PUBLIC_REINTERPRET)
 
@@ -60,6 +61,20 @@ if G.AVAILABLE:
         cc = gl.arange(0, D, layout=gl.SliceLayout(0, st))
         offs = gl.convert_layout(row_off, gl.SliceLayout(1, st))
         gl.store(ptr + offs[:, None] + cc[None, :], y, mask=(r < nv)[:, None])
+
+    @gluon.jit
+    def _store_chunk_tile(desc, stage, ptr, x, row, col, row_off, nv, C: gl.constexpr, num_warps: gl.constexpr):
+        """x [C, C] (k's dtype) into rows row .. row + C - 1, columns col .. col + C - 1 of the 2-D view behind
+        ``desc``: a full chunk through ``stage`` (shared memory in the descriptor's layout) and one TMA store (the
+        caller waits for its read of ``stage`` before reusing it or exiting); a partial one by ``_store_tile``'s masked
+        16-byte stores (the rows past the sequence belong to the next one)."""
+        if nv == C:
+            stage.store(x)
+            fence_async_shared()
+            cta_barrier()
+            tma_store(desc, [row, col], stage)
+        else:
+            _store_tile(ptr, x, row_off, nv, C, num_warps)
 
     @gluon.jit
     def _unit_lower_inverse_sm90(A, d_s, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr, l16=None, dt16=None,
@@ -232,11 +247,12 @@ if G.AVAILABLE:
 
     @gluon.jit
     def _chunk_prepare_sm90_kernel(
-        k_desc, q_desc, g, beta, gcum, ainv, rk_out, rq_out, p_out, qf_out, w_out, chunk_indices, cu_seqlens, T,
+        k_desc, q_desc, a_desc, p_desc, g, beta, gcum, ainv, rk_out, rq_out, p_out, qf_out, w_out, chunk_indices,
+        cu_seqlens, T,
         scale, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
         STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, STORE_W: gl.constexpr,
-        num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False, 
+        num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False,
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
@@ -329,7 +345,8 @@ if G.AVAILABLE:
         if STORE_P:
             qk = warpgroup_mma_wait(0, deps=[qk])
             att = (qk * gam) * rq[:, None]
-            _store_tile(p_out, att.to(dt), row_off, nv, C, num_warps)
+            p_st = gl.allocate_shared_memory(dt, [C, C], p_desc.layout)
+            _store_chunk_tile(p_desc, p_st, p_out, att.to(dt), tok0 + t0, i_hv * C, row_off, nv, C, num_warps)
             gl.store(qf_out + tok_r * HV + i_hv, rq * gl.exp(c_r), mask=m_r)
         # A after P: Q K^T's accumulator is dead before A takes registers
         a = gl.where(tc[None, :] < tr[:, None], (kk * gam) * (b_r * rk_r)[:, None], 0.0)
@@ -354,10 +371,22 @@ if G.AVAILABLE:
             dt16 = d_s
         ai = _unit_lower_inverse_sm90(a, d_s, l_s, dt_s, mma, num_warps, l16, dt16, SOLVE_F16)
         ai = ai.to(dt)
-        _store_tile(ainv, ai, row_off, nv, C, num_warps)
+        # Ainv's staging tile in the fp16 products' bytes (dead after the solve) where they exist
+        if SOLVE_F16:
+            if _PUBLIC_REINTERPRET:
+                a_st = l16.reinterpret(dt, [C, C], a_desc.layout)
+            else:
+                a_st = l16._reinterpret(dt, [C, C], a_desc.layout)
+        else:
+            a_st = gl.allocate_shared_memory(dt, [C, C], a_desc.layout)
+        cta_barrier()
+        _store_chunk_tile(a_desc, a_st, ainv, ai, tok0 + t0, i_hv * C, row_off, nv, C, num_warps)
         if STORE_W:
             # W = (Ainv diag(beta e^c r_k)) k: one [64, 64] x [64, K] wgmma, the left operand from registers, k still
-            # in shared memory (the solve's scratch did not take its bytes)
+            # in shared memory (the solve's scratch did not take its bytes). Ainv's staging tile must be read by its
+            # TMA store first: the compiler counts it dead once the store is issued and may give its bytes to the
+            # layout conversions below
+            tma.store_wait(0)
             mw: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, K, 16])
             opw: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mw, k_width=2)
@@ -365,6 +394,13 @@ if G.AVAILABLE:
             wm = warpgroup_mma(gl.convert_layout(aw, opw), k_s, gl.zeros([C, K], gl.float32, layout=mw),
                                use_acc=False)
             _store_tile(w_out, wm.to(dt), (tok_r * HV + i_hv) * K, nv, C, num_warps, K)
+        tma.store_wait(0)
+        if STORE_P:
+            # a use of P's staging tile after its store was read: the compiler's shared-memory allocator frees a
+            # buffer after its last use, and the TMA store (an asynchronous reader) does not count as one after it
+            # is issued, so without this the solve's scratch (the overflow check's reduction) could take the bytes
+            # while the store still reads them (seen: one gdn check row in 118 off, not repeatable)
+            p_st.store(gl.zeros([C, C], dt, layout=mma))
 
 
 def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precision: str) -> bool:
@@ -385,8 +421,10 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn) if q is not None else k_desc
+    a_desc = _desc(_rows2d(ainv), (CHUNK, CHUNK), dn)
+    p_desc = _desc(_rows2d(p), (CHUNK, CHUNK), dn) if p is not None else a_desc
     launch(_chunk_prepare_sm90_kernel, (NT * HV,),
-        k_desc, q_desc, g, beta, g_cum, ainv, rk if rk is not None else g_cum, rq if rq is not None else g_cum,
+        k_desc, q_desc, a_desc, p_desc, g, beta, g_cum, ainv, rk if rk is not None else g_cum, rq if rq is not None else g_cum,
         p if p is not None else ainv,
         qf if qf is not None else g_cum, w if w is not None else ainv, chunk_indices,
         cu_seqlens if cu_seqlens is not None else chunk_indices, T, float(scale), *s_g, *s_beta,
