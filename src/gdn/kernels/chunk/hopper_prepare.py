@@ -306,7 +306,7 @@ if G.AVAILABLE:
         gl.store(gcum + tok_r * HV + i_hv, c_r, mask=m_r)
 
         # ---- Q Q^T first (r_q off its diagonal, so that its accumulator is dead before the other two land), then
-        # K K^T and Q K^T; r_k from K K^T's diagonal; A while Q K^T runs
+        # K K^T and Q K^T; r_k from K K^T's diagonal and the gates' factors while Q K^T runs
         zero = gl.zeros([C, C], gl.float32, layout=mma)
         mbarrier.wait(bar, 0)
         diag = tr[:, None] == tc[None, :]
