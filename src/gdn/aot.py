@@ -452,7 +452,8 @@ def compile_hopper_prepare(K=128, dtype=None, maxnreg=None, **flags):
     row = m._desc(m._rows2d(x), (64, K), m._GL_DT[dt])
     a = torch.empty(B, T, HV, 64, dtype=dt)
     tile = m._desc(m._rows2d(a), (64, 64), m._GL_DT[dt])
-    args = dict(k_desc=row, q_desc=row, a_desc=tile, p_desc=tile, g=f32, beta=torch.empty(4, dtype=dt), gcum=f32, ainv=torch.empty(4, dtype=dt),
+    args = dict(k_desc=row, q_desc=row, a_desc=tile, p_desc=tile, g=f32, beta=torch.empty(4, dtype=dt), gcum=f32,
+                ainv=torch.empty(4, dtype=dt),
                 rk_out=f32, rq_out=f32, p_out=torch.empty(4, dtype=dt), qf_out=f32, w_out=torch.empty(4, dtype=dt),
                 chunk_indices=i32,
                 cu_seqlens=i32, T=T,

@@ -46,7 +46,8 @@ def test_register_split_of_warp_specialized_kernels():
             "w = [m.T_CHAIN_REGS, m.T_LOADER_REGS]\n"
             "print(repr(A.register_pool_problem(c, w)), A.default_partition_regs(c, w))\n"
             "c = A.compile_hopper_fused_t_pass(LREGS=48)\n"
-            "print(repr(A.register_pool_problem(c, [m.T_CHAIN_REGS, 48])), A.default_partition_regs(c, [m.T_CHAIN_REGS, 48]))\n"
+            "w = [m.T_CHAIN_REGS, 48]\n"
+            "print(repr(A.register_pool_problem(c, w)), A.default_partition_regs(c, w))\n"
             "print(A.register_pool_problem(c, [m.T_CHAIN_REGS, 40]))\n")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -66,10 +67,13 @@ def test_sm90_prepare_register_caps():
     from gdn.kernels import tuning
     from gdn.kernels.chunk.prepare import _sm90_prepare_cap
 
-    cfg = tuning.chunk_fwd()
-    assert (_sm90_prepare_cap(cfg, True), _sm90_prepare_cap(cfg, False)) == (168, 128)
+    def caps():
+        cfg = tuning.chunk_fwd()
+        return _sm90_prepare_cap(cfg, True), _sm90_prepare_cap(cfg, False)
+
+    assert caps() == (168, 128)
     with tuning.override("chunk_fwd", solve_sm90_f16=False):
-        assert (_sm90_prepare_cap(tuning.chunk_fwd(), True), _sm90_prepare_cap(tuning.chunk_fwd(), False)) == (168, None)
+        assert caps() == (168, None)
     with tuning.override("chunk_fwd", prepare_sm90_maxnreg=0, prepare_sm90_maxnreg_nop=0):
-        assert (_sm90_prepare_cap(tuning.chunk_fwd(), True), _sm90_prepare_cap(tuning.chunk_fwd(), False)) == (None, None)
+        assert caps() == (None, None)
     assert dict(maxnreg=128, STORE_P=False) in A.PREPARE_CONFIGS and dict(maxnreg=168) in A.PREPARE_CONFIGS

@@ -37,7 +37,7 @@ class ChunkForward:
     prepare_sm90: bool = True
     prepare_sm90_maxnreg: int = 168
     # its cap without P (and without W): 128, four CTAs per SM, 0-40 B of spills; H100 -6 to -9% against 168
-    # (bench/results/prepare_nop_cap128_ab_h100.json); with P 128 spills 112-208 B and is 3-6% slower
+    # (bench/results/prepare_nop_cap128_ab_h100.json); with P 128 spills 56-208 B and lost in two tries (+2 to +21%)
     prepare_sm90_maxnreg_nop: int = 128
     # the sm_90 prepare's solve products in fp16 (tf32's 10-bit mantissa, half the operand bytes, row-major right
     # operands) instead of tf32; a chunk whose fp16 products overflow is redone in tf32. H100: prepare -4 to -8%

@@ -44,12 +44,12 @@ if G.AVAILABLE:
     _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(G.PUBLIC_REINTERPRET)
 
     @gluon.jit
-    def _as_f32_tile(buf, C: gl.constexpr, layout: gl.constexpr):
-        """The bytes of a 16 KB shared-memory tile viewed as fp32 [C, C] in ``layout``."""
+    def _as_tile(buf, dtype: gl.constexpr, C: gl.constexpr, layout: gl.constexpr):
+        """The bytes of a shared-memory tile viewed as ``dtype`` [C, C] in ``layout``."""
         if _PUBLIC_REINTERPRET:
-            t = buf.reinterpret(gl.float32, [C, C], layout)
+            t = buf.reinterpret(dtype, [C, C], layout)
         else:
-            t = buf._reinterpret(gl.float32, [C, C], layout)
+            t = buf._reinterpret(dtype, [C, C], layout)
         return t
 
     @gluon.jit
@@ -355,11 +355,11 @@ if G.AVAILABLE:
         # are waited for)
         REUSE: gl.constexpr = K * (dt.primitive_bitwidth // 8) == 4 * C
         if REUSE and not STORE_W:
-            l_s = _as_f32_tile(k_s, C, nvmma)
+            l_s = _as_tile(k_s, gl.float32, C, nvmma)
         else:
             l_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
         if STORE_P and REUSE:
-            dt_s = _as_f32_tile(q_s, C, nvmma)
+            dt_s = _as_tile(q_s, gl.float32, C, nvmma)
         else:
             dt_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
         if SOLVE_F16:
@@ -372,11 +372,9 @@ if G.AVAILABLE:
         ai = _unit_lower_inverse_sm90(a, d_s, l_s, dt_s, mma, num_warps, l16, dt16, SOLVE_F16)
         ai = ai.to(dt)
         # Ainv's staging tile in the fp16 products' bytes (dead after the solve) where they exist
+        a_lay: gl.constexpr = a_desc.layout
         if SOLVE_F16:
-            if _PUBLIC_REINTERPRET:
-                a_st = l16.reinterpret(dt, [C, C], a_desc.layout)
-            else:
-                a_st = l16._reinterpret(dt, [C, C], a_desc.layout)
+            a_st = _as_tile(l16, dt, C, a_lay)
         else:
             a_st = gl.allocate_shared_memory(dt, [C, C], a_desc.layout)
         cta_barrier()
@@ -424,8 +422,8 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
     a_desc = _desc(_rows2d(ainv), (CHUNK, CHUNK), dn)
     p_desc = _desc(_rows2d(p), (CHUNK, CHUNK), dn) if p is not None else a_desc
     launch(_chunk_prepare_sm90_kernel, (NT * HV,),
-        k_desc, q_desc, a_desc, p_desc, g, beta, g_cum, ainv, rk if rk is not None else g_cum, rq if rq is not None else g_cum,
-        p if p is not None else ainv,
+        k_desc, q_desc, a_desc, p_desc, g, beta, g_cum, ainv, rk if rk is not None else g_cum,
+        rq if rq is not None else g_cum, p if p is not None else ainv,
         qf if qf is not None else g_cum, w if w is not None else ainv, chunk_indices,
         cu_seqlens if cu_seqlens is not None else chunk_indices, T, float(scale), *s_g, *s_beta,
         H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
