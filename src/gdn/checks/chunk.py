@@ -193,6 +193,48 @@ def chunk_sm90_vs_portable(device):
 
 
 @register
+def chunk_sm90_segment_pass(device):
+    """Hopper only: the segment pass of segmented runs (local states from zero and transitions, INIT 3) as the Gluon
+    state pass against the portable one, on one ragged long sequence with an initial state, forced segments of 4 and
+    16 chunks, v_new from Ainv (the fused forward's) and from stored W / U (``chunk_fwd.state_mode`` "wu"): o and the
+    final state, and that the Gluon launch ran."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return []
+    from ..kernels.chunk import chunk_gated_delta_rule_fwd, hopper
+    from ..kernels.tuning import override
+
+    T, H, HV, K, V = 64 * 96 + 37, 2, 4, 128, 128
+    x = make_inputs(1, T, H, HV, K, V, dtype=torch.bfloat16, device=device)
+    h0 = torch.randn(1, HV, K, V, device=device) * 0.5
+    real = hopper.launch_state_pass
+    out = []
+    for mode in ("ainv", "wu"):
+        for seg in (4, 16):
+            res = []
+            for gluon in (False, True):
+                calls = [0]
+
+                def counted(*a, **kw):
+                    calls[0] += kw.get("INIT") == 3
+                    return real(*a, **kw)
+                hopper.launch_state_pass = counted
+                try:
+                    with override("chunk_fwd", state_mode=mode, segment_chunks=seg, state_sm90_segment_pass=gluon):
+                        o, ht, _ = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, h0, True, None,
+                                                              use_qk_l2norm_in_kernel=True, return_states=False)
+                finally:
+                    hopper.launch_state_pass = real
+                res.append((o, ht, calls[0]))
+            name = f"sm90 segment pass {mode} seg={seg}"
+            ran = res[1][2] == 1 and res[0][2] == 0
+            out += [Result("chunk", f"{name}: Gluon launch {'as' if ran else 'NOT as'} asked",
+                           0.0 if ran else float("inf"), 0.0),
+                    Result("chunk", name + " o vs portable", rel_err(res[1][0], res[0][0]), 4e-3),
+                    Result("chunk", name + " final state vs portable", rel_err(res[1][1], res[0][1]), 4e-3)]
+    return out
+
+
+@register
 def chunk_sm90_target_shapes(device):
     """Hopper only: the five prefill target shapes (bf16, K = V = 128, L2 norm, final state, varlen B = 1) on the
     default path (Gluon state pass) against the portable path on the whole sequence, and against float64 on a prefix

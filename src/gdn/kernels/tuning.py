@@ -90,12 +90,20 @@ class ChunkForward:
     # below segment_gain x plain. H200 per chunk step (gdn profile): plain fused pass 1.37 us; segment pass 2.05 us
     # alone on an SM, 2.45 at two per SM; fused pass at V tile 64 2.05-2.14; one merge step 3.6 us (12 before the
     # merge tiles below); segment_fixed_cost: the segmented run's two launches more (host time, ~80 us on the H200
-    # machines' CPUs) in the same units (bench/NOTES.md, Kept table 2026-11-26)
-    state_sm90_segment_pass_cost: float = 1.5
-    state_sm90_segment_pass_cost2: float = 1.75
+    # machines' CPUs) in the same units (bench/NOTES.md, Kept table 2026-11-26). The segment pass's costs since it
+    # is the Gluon pass (H100, 2026-11-27: a step 1.46 us alone on an SM, 2.15 at two per SM, against the plain fused
+    # pass's 1.30; no plan of the modelled rows changes)
+    state_sm90_segment_pass_cost: float = 1.12
+    state_sm90_segment_pass_cost2: float = 1.65
     state_sm90_wide_step_cost: float = 1.5
     state_sm90_merge_cost: float = 3.0
     state_sm90_segment_fixed_cost: float = 60.0
+    # sm_90: the segment pass of segmented runs (local states from zero and the transition matrices, one launch) as
+    # the Gluon state pass (hopper._state_steps, INIT 3) at V tile state_sm90_segment_BV, instead of the portable one.
+    # H100 forward kernel sums (bench/results/fwd_segment_pass_sm90_ab_h100.json): 1x65536 2/8 712 -> 695 us
+    # (segment pass 263 -> 250), 1x32768 4/8 384 -> 371, 1x16384 4/8 214 -> 208; V tile 32 loses (373 us at 2/8)
+    state_sm90_segment_pass: bool = True
+    state_sm90_segment_BV: int = 64
     # an inference forward (no pool, no checkpoints, one sequence or a batch of equal ones) of n >= 2 x
     # piece_token_heads token x value heads runs in min(piece_max, n / piece_token_heads) pieces one after the other
     # (forward._forward_in_pieces): one piece's intermediates (Ainv, P: as many bytes as o) in memory at a time. H100,

@@ -1,5 +1,6 @@
 """Hopper (sm_90) forms of the chunked forward's sequential state pass (``state.py``), written in Gluon: the state
-pass alone (``_state_pass_sm90_kernel``: h per chunk and v_new to memory, for the backward and ``return_states``),
+pass alone (``_state_pass_sm90_kernel``: h per chunk and v_new to memory, for the backward and ``return_states``;
+also the segment pass of segmented runs, INIT 3: local states from zero and transition matrices in one launch),
 and the state pass with the output fused in (``_chunk_fused_sm90_kernel``: a second warpgroup computes
 ``o = diag(qf) (q @ h_c) + P @ v_new_c`` of chunk c from hand-off slots in shared memory while the first runs chunk
 c + 1; P and qf come from the prepare kernel; no h / v_new in memory; at V tile 32 a one-warp load partition fills
@@ -67,12 +68,15 @@ if G.AVAILABLE:
 
     @gluon.jit
     def _issue_chunk_loads(k_desc, v_desc, a_desc, bar, k_buf, v_buf, a_buf, row, col_k, col_v, col_a, pred,
-                           nbytes: gl.constexpr):
+                           nbytes: gl.constexpr, with_v=True):
         """TMA copies of one chunk's k [64, K], v (or u) [64, BV] and Ainv [64, 64] (or w [64, K]) into one ring stage,
-        completing on ``bar``; nothing when ``pred`` is false (past the segment)."""
-        mbarrier.expect(bar, nbytes, pred=pred)
+        completing on ``bar``; nothing when ``pred`` is false (past the segment); v only where ``with_v`` (a
+        transition tile of the segment pass reads none: one of two complementary expects arms the barrier)."""
+        vbytes: gl.constexpr = v_desc.block_type.nbytes
+        mbarrier.expect(bar, nbytes, pred=pred & with_v)
+        mbarrier.expect(bar, nbytes - vbytes, pred=pred & (not with_v))
         tma_load(k_desc, [row, col_k], bar, k_buf, pred=pred)
-        tma_load(v_desc, [row, col_v], bar, v_buf, pred=pred)
+        tma_load(v_desc, [row, col_v], bar, v_buf, pred=pred & with_v)
         tma_load(a_desc, [row, col_a], bar, a_buf, pred=pred)
 
     @gluon.jit
@@ -140,28 +144,41 @@ if G.AVAILABLE:
         cols_l: gl.constexpr = gl.SliceLayout(0, mma)
         dt: gl.constexpr = k_desc.dtype
         ok = gl.arange(0, K, layout=rows_l)
-        ov = i_v * BV + gl.arange(0, BV, layout=cols_l)
+        if INIT == 3:   # tiles i_v >= V / BV: a transition tile (columns of the K x K matrix, no v)
+            NV: gl.constexpr = V // BV
+            is_t = i_v >= NV
+            i_c = i_v - is_t.to(gl.int32) * NV
+            ov = i_c * BV + gl.arange(0, BV, layout=cols_l)
+            m_kv = (ok[:, None] < K) & (ov[None, :] < V + is_t.to(gl.int32) * (K - V))
+        else:
+            is_t = False
+            i_c = i_v
+            ov = i_v * BV + gl.arange(0, BV, layout=cols_l)
+            m_kv = (ok[:, None] < K) & (ov[None, :] < V)
         to = gl.arange(0, C, layout=rows_l)
-        m_kv = (ok[:, None] < K) & (ov[None, :] < V)
 
         # ---- initial state (fp32 registers, the wgmma accumulator layout)
         if INIT == 1:
             row0, ok0 = _state_row(h0_idx, i_s, n, P0, H0_BY_SEG, H0_INDEXED)
             p0 = h0 + row0 * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v
             h = gl.load(p0, mask=m_kv & ok0, other=0.0).to(gl.float32)
+        elif INIT == 3:     # identity on a transition tile, zeros on a local-state tile
+            h = gl.where((ok[:, None] == ov[None, :]) & is_t, 1.0, 0.0)
         else:
             h = gl.zeros([K, BV], gl.float32, layout=mma)
 
         AC: gl.constexpr = a_desc.block_type.shape[1]          # Ainv: 64 columns; w: K
         nbytes: gl.constexpr = (C * K + C * BV + C * AC) * (dt.primitive_bitwidth // 8)
         col_k = i_h * K
-        col_v = i_hv * V + i_v * BV
+        col_v = i_hv * V + i_c * BV
         col_a = i_hv * AC
+        with_v = not is_t
         # ---- prologue: chunks c_beg .. c_beg + NS - 2 into the ring
         if not TMA_WARP:
             for j in gl.static_range(NS - 1):
                 _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(j), k_s.index(j), v_s.index(j), a_s.index(j),
-                                   tok0 + bos + (c_beg + j) * C, col_k, col_v, col_a, c_beg + j < c_end, nbytes)
+                                   tok0 + bos + (c_beg + j) * C, col_k, col_v, col_a, c_beg + j < c_end, nbytes,
+                                   with_v)
         # per-row gates of the first chunk
         g_n, b_n, rk_n, gl_n = _chunk_gates(gcum, beta, rk_in, bos + c_beg * C, to, eos, tok0, i_b, i_h, i_hv,
                                             c_beg < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
@@ -177,7 +194,7 @@ if G.AVAILABLE:
                 sf = (it + NS - 1) % NS
                 _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(sf), k_s.index(sf), v_s.index(sf),
                                    a_s.index(sf), tok0 + bos + (c + NS - 1) * C, col_k, col_v, col_a,
-                                   c + NS - 1 < c_end, nbytes)
+                                   c + NS - 1 < c_end, nbytes, with_v)
             # ---- this chunk's gates (loaded one step ahead), then the next chunk's
             rows = bos + c * C + to
             m = rows < eos
@@ -205,6 +222,8 @@ if G.AVAILABLE:
                 # ---- 2. r = beta * (v - diag(exp(g) r_k) (k @ h))
                 kh = warpgroup_mma(k_s.index(s), hs, zero, use_acc=False, is_async=True)
                 vt = v_s.index(s).load(mma).to(gl.float32)
+                if INIT == 3:
+                    vt = gl.where(is_t, 0.0, vt)
                 fk = gl.exp(b_g) * rk
                 kh = warpgroup_mma_wait(0, deps=[kh])
                 r = gl.where(m[:, None], (vt - kh * fk[:, None]) * b_beta[:, None], 0.0)
@@ -218,6 +237,8 @@ if G.AVAILABLE:
                 # ---- 2-3. v_new = u - w @ h (w, u from the prepare kernel, in the ring's a / v slots)
                 wh = warpgroup_mma(a_s.index(s), hs, zero, use_acc=False, is_async=True)
                 ut = v_s.index(s).load(mma).to(gl.float32)
+                if INIT == 3:
+                    ut = gl.where(is_t, 0.0, ut)
                 wh = warpgroup_mma_wait(0, deps=[wh])
                 vn = ut - wh
             if STORE_VNEW:
@@ -239,7 +260,13 @@ if G.AVAILABLE:
 
         if STORE_H:
             tma.store_wait(0)
-        if STORE_FINAL:
+        if INIT == 3:   # local state -> ht[segment], transition -> h0[segment] (both with their strides)
+            rs = i_s.to(gl.int64)
+            p1 = ht + rs * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
+            gl.store(p1, h.to(ht.dtype.element_ty), mask=m_kv & (not is_t))
+            p0 = h0 + rs * s0n + i_hv * s0h + ok[:, None] * s0k + ov[None, :] * s0v
+            gl.store(p0, h.to(h0.dtype.element_ty), mask=m_kv & is_t)
+        elif STORE_FINAL:
             row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
             p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
             gl.store(p1, h.to(ht.dtype.element_ty), mask=m_kv & ok1)
@@ -671,8 +698,9 @@ def supported(k, v, ainv, h_out, vnew, dt, K: int, V: int, init: int, split_h: b
               checkpoints: bool = False) -> bool:
     """Whether the sm_90 pass can run this launch (else the portable kernel does). ``v``/``ainv``: v [B, T, HV, V]
     and Ainv [B, T, HV, 64], or u [B, T, HV, V] and w [B, T, HV, K] (w/u mode). ``checkpoints``: prefix-cache
-    checkpoint stores asked (the portable kernel's CKPT mode; not in this pass yet)."""
-    if not G.AVAILABLE or split_h or checkpoints or init not in (0, 1) or capability(k.device) != "sm_90":
+    checkpoint stores asked (the portable kernel's CKPT mode; not in this pass yet). ``init`` 3: the segment pass
+    (local states and transitions in one launch; V tiles past V / BV are transition tiles)."""
+    if not G.AVAILABLE or split_h or checkpoints or init not in (0, 1, 3) or capability(k.device) != "sm_90":
         return False
     if dt not in _GL_DT or k.dtype != dt or v.dtype != dt or ainv is None or ainv.dtype != dt:
         return False
@@ -716,7 +744,8 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
                       cu_seqlens, chunk_offsets, T, P0, P1, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen,
                       INIT, H0_BY_SEG, H0_INDEXED, HT_BY_SEG, HT_INDEXED, from_ainv=True, BV=64, stages=2,
                       num_warps=4):
-    """Launch the sm_90 state pass over ``grid`` = (V // BV, HV, segments); arguments as the portable kernel's
+    """Launch the sm_90 state pass over ``grid`` = (V // BV, HV, segments) (INIT 3: (V // BV + K // BV, HV,
+    segments), local states to ``ht`` and transitions to ``h0``, row = segment); arguments as the portable kernel's
     (``supported`` must have said yes). ``from_ainv=False``: ``v`` is u and ``ainv`` is w (``v_new = u - w h``).
     Tensors that a mode does not use may be any placeholder tensor."""
     dn = _GL_DT[k.dtype]

@@ -207,6 +207,21 @@ def _written_rows(rows: torch.Tensor, read_idx: Optional[torch.Tensor], P_read: 
     return torch.where(ok.view(-1, *([1] * (rows.dim() - 1))), rows, -1).contiguous()
 
 
+def _segment_sm90_bv(cfg) -> int:
+    """V tile of the sm_90 segment pass (``chunk_fwd.state_sm90_segment_BV``; it divides V and K)."""
+    return int(cfg.state_sm90_segment_BV)
+
+
+def _segment_sm90(cfg, k, xs, mats, dt, K: int, V: int, split_h: bool) -> bool:
+    """Whether a segmented run's segment pass (local states and transitions, INIT 3) is the Gluon state pass:
+    ``chunk_fwd.state_sm90`` and ``state_sm90_segment_pass``, a launch ``hopper.supported`` takes, a tile dividing V
+    and K."""
+    bv = _segment_sm90_bv(cfg)
+    return (bool(cfg.state_sm90 and cfg.state_sm90_segment_pass) and xs is not None and not split_h
+            and bv in (32, 64) and V % bv == 0 and K % bv == 0
+            and hopper.supported(k, xs, mats, None, None, dt, K, V, 3, False))
+
+
 def _state_strides(x: Optional[torch.Tensor], layout: str):
     if x is None:
         return (0, 0, 0, 0)
@@ -329,13 +344,13 @@ def _fused_segments(ci: ChunkIndex, HV: int, K: int, V: int, dev, plan, cfg, pla
 
 def _segmented_cost(ci: ChunkIndex, plan, HV: int, K: int, V: int, bv: int, dev, cfg) -> float:
     """Modelled time of a segmented fused forward, in steps of the plain fused pass at V tile 32 (one CTA per SM):
-    per chunk of a segment one step of the portable segment pass (local states and transitions: ``(V + K) / tile``
+    per chunk of a segment one step of the segment pass (local states and transitions: ``(V + K) / tile``
     programs per segment and head; ``state_sm90_segment_pass_cost`` alone on an SM, ``..._cost2`` two per SM, more in
     proportion) and one of the fused final pass (``state_sm90_wide_step_cost`` at V tile 64), plus
     ``state_sm90_merge_cost`` per segment of the longest sequence and ``state_sm90_segment_fixed_cost`` (its two
     launches more)."""
     longest, L = max(ci.nchunks), max(1, plan.seg_len)
-    bvp = _state_bv(K, V, dev)
+    bvp = _segment_sm90_bv(cfg) if cfg.state_sm90_segment_pass else _state_bv(K, V, dev)
     per_sm = -(-plan.S * HV * (cdiv(V, bvp) + cdiv(K, bvp)) // _num_sms(dev))
     seg_step = (float(cfg.state_sm90_segment_pass_cost) if per_sm <= 1
                 else float(cfg.state_sm90_segment_pass_cost2) * (-(-per_sm // 2)))
@@ -473,6 +488,15 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 BV=bv_fused, stages=cfg.state_sm90_stages, h_out=h_out, vnew=vn_out, chunk_offsets=ci.chunk_offsets,
                 transposed=bv_fused == 128, load_warp=bv_fused <= int(cfg.state_sm90_load_warp_bv))
             return
+        if n_extra and segment_sm90:
+            # Hopper: the segment pass (local states + transitions, INIT 3) as the Gluon state pass
+            bvs = _segment_sm90_bv(cfg)
+            hopper.launch_state_pass(
+                (cdiv(V, bvs) + cdiv(K, bvs), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, None, None, h0,
+                ht_, ci.chunk_offsets, ci.chunk_offsets, plan.segments, cu, ci.chunk_offsets, T, P0, P1, sb, s0, s1,
+                H=H, HV=HV, K=K, V=V, use_l2=l2, is_varlen=ci.is_varlen, INIT=3, H0_BY_SEG=False, H0_INDEXED=False,
+                HT_BY_SEG=True, HT_INDEXED=False, from_ainv=from_ainv, BV=bvs, stages=cfg.state_sm90_stages)
+            return
         bv9 = sm90_tile(S * HV) if (not fused and n_extra == 0 and Vd == V) else 0
         if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,
                                     checkpoints=bool(ck)):
@@ -497,6 +521,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 num_warps=int(cfg.state_warps), num_stages=int(cfg.state_stages), maxnreg=cfg.state_maxnreg,
                 **(ck or {}), **flags)
 
+    segment_sm90 = _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h)
     s0 = _state_strides(initial_state, state_layout)
     s1 = _state_strides(ht, state_layout)
     P = initial_state.shape[0] if initial_state is not None else 0
