@@ -168,7 +168,8 @@ def _run(args, cases, wanted_peers, dev, device_cls=_Device) -> int:
         "device": name, "copy_GBps": None, "bf16_TFLOPs": None, "torch": tv, "triton": trv, "gdn": gv, **d.info,
         "quick": quick, "started": _dt.datetime.now().isoformat(timespec="seconds"),
         "argv": sys.argv[1:], "peers": {},
-        "method": ("median per call of CUDA-event samples after an untimed warm-up; decode, recurrent and "
+        "method": ("median per call of CUDA-event samples after an untimed warm-up (taken again, up to twice, "
+                   "while (p80 - p20) / median > 0.10; the least noisy kept); decode, recurrent and "
                    "layer_decode replay a CUDA graph of n_sets x reps calls; the other ops run eagerly; inputs rotate "
                    "over n_sets buffer sets that together touch at least twice the L2 cache; FLOP counts: "
                    "gdn.benchmark.cases"),
