@@ -202,7 +202,19 @@ def _scenarios():
                           torch.zeros((N + 1) * HVk, dtype=torch.int64), scale=K ** -0.5, eps=1e-6,
                           k_last=layout == "k_last")
 
-    out = []
+    def prepare_redo(with_w):
+        # the sm_90 prepare's overflow redo (a portable kernel launched only on the sm_90 path)
+        from gdn.kernels.chunk.plan import get_chunk_index
+        from gdn.kernels.chunk.prepare import redo_overflowed
+
+        T = 130
+        cu = torch.tensor([0, 1, 64, T], dtype=torch.int32)
+        ci = get_chunk_index(cu, T, 1, 64, None, torch.device("cpu"))
+        k, beta = rnd(1, T, H, K), torch.rand(1, T, HV).bfloat16()
+        redo_overflowed(torch.zeros(ci.NT * HV, 64, dtype=torch.int8), k, beta, torch.randn(1, T, HV),
+                        rnd(1, T, HV, 64), rnd(1, T, HV, K) if with_w else None, ci, cu, T, True)
+
+    out = [("prepare redo", lambda: prepare_redo(False)), ("prepare redo with W", lambda: prepare_redo(True))]
     # the fused layer decode step: every decode_step table row (state dtype x layout), 1 and 2 value heads per key head
     for sd in (torch.float32, torch.bfloat16):
         for layout in ("v_last", "k_last"):
@@ -276,7 +288,7 @@ def compile_gluon(kernel, args: dict, constexprs: dict, num_warps: int = 4, opti
     from triton.runtime.jit import mangle_type
 
     ptr = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-           torch.int64: "i64"}
+           torch.int64: "i64", torch.int8: "i8"}
     sig, consts, attrs = {}, {}, {}
     for i, n in enumerate(kernel.arg_names):
         if n in constexprs:
@@ -455,7 +467,7 @@ def compile_hopper_prepare(K=128, dtype=None, maxnreg=None, **flags):
     args = dict(k_desc=row, q_desc=row, a_desc=tile, p_desc=tile, g=f32, beta=torch.empty(4, dtype=dt), gcum=f32,
                 ainv=torch.empty(4, dtype=dt),
                 rk_out=f32, rq_out=f32, p_out=torch.empty(4, dtype=dt), qf_out=f32, w_out=torch.empty(4, dtype=dt),
-                chunk_indices=i32,
+                flags=torch.empty(4, dtype=torch.int8), chunk_indices=i32,
                 cu_seqlens=i32, T=T,
                 scale=0.5, s_gb=T * HV, s_gt=HV, s_gh=1, s_bb=T * HV, s_bt=HV, s_bh=1)
     cx = dict(H=H, HV=HV, K=K, USE_L2=True, IS_VARLEN=True, STORE_RK=True, STORE_P=True, STORE_RQ=True, STORE_W=False,
@@ -468,7 +480,8 @@ PREPARE_CONFIGS = [dict(maxnreg=r, **f) for r in (None, 168)
                    for f in (dict(), dict(STORE_P=False), dict(USE_L2=False, IS_VARLEN=False, STORE_RK=False),
                              dict(K=64), dict(dtype="float16", H=4))] + \
     [dict(maxnreg=168, STORE_W=True), dict(maxnreg=168, STORE_W=True, K=64)] + \
-    [dict(maxnreg=128, STORE_P=False), dict(maxnreg=128, STORE_P=False, K=64)] + \
+    [dict(maxnreg=128, STORE_P=False), dict(maxnreg=128, STORE_P=False, K=64), dict(maxnreg=128),
+     dict(maxnreg=128, K=64)] + \
     [dict(maxnreg=168, SOLVE_F16=False, **f)        # the tf32 solve (chunk_fwd.solve_sm90_f16 off)
      for f in (dict(), dict(STORE_P=False), dict(STORE_W=True), dict(K=64), dict(dtype="float16", H=4))]
 

@@ -60,20 +60,23 @@ def test_register_split_of_warp_specialized_kernels():
 
 
 def test_sm90_prepare_register_caps():
-    """The sm_90 prepare's cap by mode (bench/NOTES.md Kept table): 168 with P or W, 128 without (the fp16 solve),
-    uncapped for the tf32 solve without P; 0 in the tuning table means uncapped; the configurations gdn.aot compiles
-    include each cap as launched."""
+    """The sm_90 prepare's cap by mode (bench/NOTES.md Kept table): the fp16 solve with P 128 where value heads share
+    key heads and 168 where they do not, 168 with W, 128 without P and W; the tf32 solve 168 with P, uncapped
+    without; 0 in the tuning table means uncapped; the configurations gdn.aot compiles include each cap as
+    launched."""
     import gdn.aot as A
     from gdn.kernels import tuning
     from gdn.kernels.chunk.prepare import _sm90_prepare_cap
 
     def caps():
         cfg = tuning.chunk_fwd()
-        return _sm90_prepare_cap(cfg, True), _sm90_prepare_cap(cfg, False)
+        return (_sm90_prepare_cap(cfg, True, False, True), _sm90_prepare_cap(cfg, True, False, False),
+                _sm90_prepare_cap(cfg, True, True, True), _sm90_prepare_cap(cfg, False))
 
-    assert caps() == (168, 128)
+    assert caps() == (128, 168, 168, 128)
     with tuning.override("chunk_fwd", solve_sm90_f16=False):
-        assert caps() == (168, None)
-    with tuning.override("chunk_fwd", prepare_sm90_maxnreg=0, prepare_sm90_maxnreg_nop=0):
-        assert caps() == (None, None)
-    assert dict(maxnreg=128, STORE_P=False) in A.PREPARE_CONFIGS and dict(maxnreg=168) in A.PREPARE_CONFIGS
+        assert caps() == (168, 168, 168, None)
+    with tuning.override("chunk_fwd", prepare_sm90_maxnreg=0, prepare_sm90_maxnreg_nop=0, prepare_sm90_maxnreg_gva=0):
+        assert caps() == (None, None, None, None)
+    for cap, flags in ((128, {}), (168, {}), (168, dict(STORE_W=True)), (128, dict(STORE_P=False))):
+        assert dict(maxnreg=cap, **flags) in A.PREPARE_CONFIGS

@@ -852,13 +852,55 @@ def test_prepare_dispatch_sm90(monkeypatch, with_q, g_is_cumsum, ainv_dtype, sm9
     rk = torch.empty(B, T, H)
     out = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, None, 64, True, store_wu=False, g_is_cumsum=g_is_cumsum,
                                     ainv_dtype=ainv_dtype, rk=rk, q=x.q if with_q else None, scale=0.125)
-    assert len(calls) == int(sm90) and len(launched) == int(not sm90)
+    # the sm_90 path: the Gluon prepare, then the redo launch of the items whose fp16 products overflowed
+    assert len(calls) == int(sm90) and launched == ([prepare._prepare_redo_kernel] if sm90 else [prepare._chunk_prepare_kernel])
     if sm90:
         a, kw = calls[0]
+        assert kw["solve_f16"] and kw["flags"].dtype == torch.int8 and kw["flags"].shape == (3 * HV, 64)
         # (k, q, g, beta, g_cum, ainv, rk, p, qf, ...): the buffers returned to the caller
         assert a[0] is x.k and a[4] is out[0] and a[5] is out[1] and a[6] is rk and out[1].dtype == torch.bfloat16
         assert (a[1] is x.q and a[7] is out[4] and a[8] is out[5]) if with_q else (a[1] is None and len(out) == 4)
         assert kw["H"] == H and kw["HV"] == HV and kw["use_l2"]
+
+
+@pytest.mark.parametrize("with_w", [True, False])
+def test_prepare_redo_overflowed(with_w):
+    """redo_overflowed (the sm_90 prepare's overflow path): the flagged (chunk, value head) items' Ainv (and W) are
+    recomputed from k, beta and the stored g_cum, equal to the portable prepare's; unflagged items are untouched
+    (their NaN poison stays); with no flag set nothing is written. Ragged varlen, GVA, the L2 norm."""
+    from gdn.kernels.chunk import prepare
+    from gdn.kernels.chunk.plan import get_chunk_index
+
+    cu = torch.tensor([0, C + 1, C + 1 + (C - 1), 2 * C + 2 * C + 2], dtype=torch.int32)   # 65, 63, 130 tokens
+    T = int(cu[-1])
+    H, HV, K = 1, 2, 32
+    x = make_inputs(1, T, H, HV, K, K, dtype=torch.bfloat16)
+    ci = get_chunk_index(cu, T, 1, 64, None, x.k.device)
+    g_cum, ainv, _, _ = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False,
+                                                  ainv_dtype=torch.bfloat16)
+    _, _, w, _ = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_ainv=False)
+    # the token rows of every item (chunk * HV + value head)
+    rows = []
+    for n, c in ci.chunk_indices.view(-1, 2).tolist():
+        a = int(cu[n]) + 64 * c
+        rows.append((a, min(a + 64, int(cu[n + 1]))))
+    items = [(a, b, hv) for (a, b) in rows for hv in range(HV)]
+    flags = torch.zeros(len(items), 64, dtype=torch.int8)       # a flag per row: one row of half the items set
+    for i in torch.randperm(len(items))[:len(items) // 2].tolist():
+        flags[i, torch.randint(0, 64, ()).item()] = 1
+    for fl in (flags, torch.zeros_like(flags)):
+        a_out = torch.full_like(ainv, float("nan"))
+        w_out = torch.full_like(w, float("nan")) if with_w else None
+        prepare.redo_overflowed(fl, x.k, x.beta, g_cum, a_out, w_out, ci, cu, T, True)
+        for i, (a, b, hv) in enumerate(items):
+            if fl[i].any():
+                assert torch.equal(a_out[0, a:b, hv], ainv[0, a:b, hv])
+                if with_w:
+                    assert torch.equal(w_out[0, a:b, hv], w[0, a:b, hv])
+            else:
+                assert torch.isnan(a_out[0, a:b, hv]).all()
+                if with_w:
+                    assert torch.isnan(w_out[0, a:b, hv]).all()
 
 
 @pytest.mark.parametrize("fused_states", [True, False])

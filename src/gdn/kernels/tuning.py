@@ -31,18 +31,28 @@ class ChunkForward:
     # 128: four programs per SM instead of three (H200: prepare -4 to -9%)
     prepare_maxnreg: int = 128
     # sm_90: the forward's prepare (Ainv, g_cum, r_k; P and qf) as the Gluon kernel of
-    # gdn.kernels.chunk.hopper_prepare where it supports the launch (bench/NOTES.md); its register cap with P
-    # (0: none; 168: 3 CTAs per SM instead of 2, no spills); without P the tf32 solve builds at ~138 and runs
-    # uncapped, the fp16 solve (solve_sm90_f16, with its tf32 fallback) takes the cap below
+    # gdn.kernels.chunk.hopper_prepare where it supports the launch (bench/NOTES.md); its register cap with W, or
+    # with P where every value head has its own key head, or with the tf32 solve (0: none; 168: 3 CTAs per SM
+    # instead of 2, no spills); without P the tf32 solve builds at ~138 and runs uncapped
     prepare_sm90: bool = True
     prepare_sm90_maxnreg: int = 168
+    # the fp16 solve's cap with P where value heads share key heads (HV > H): 128, four CTAs per SM (40 B of spills
+    # on Triton 3.6), since the overflow redo left the kernel (prepare.redo_overflowed). H100 prepare + redo against
+    # the in-kernel redo at 168 (bench/results/prepare_redo_out_ab_h100.json): 1x8192 16/32 88.0 -> 85.1 us,
+    # 1x32768 334 -> 313, 4x4096 168 -> 160, 2/8 155 -> 140; at 64/64 (HV = H: k and q read once per value head,
+    # a memory-heavy prepare) 689 -> 707, so that one keeps 168 (689 -> 694)
+    prepare_sm90_maxnreg_gva: int = 128
     # its cap without P (and without W): 128, four CTAs per SM, 0-40 B of spills; H100 -6 to -9% against 168
-    # (bench/results/prepare_nop_cap128_ab_h100.json); with P 128 spills 56-208 B and lost in two tries (+2 to +21%)
+    # (bench/results/prepare_nop_cap128_ab_h100.json)
     prepare_sm90_maxnreg_nop: int = 128
     # the sm_90 prepare's solve products in fp16 (tf32's 10-bit mantissa, half the operand bytes, row-major right
-    # operands) instead of tf32; a chunk whose fp16 products overflow is redone in tf32. H100: prepare -4 to -8%
+    # operands) instead of tf32; a chunk whose fp16 products overflow is flagged and redone with the portable tf32
+    # solve by a second launch (prepare.redo_overflowed). H100: prepare -4 to -8%
     # (bench/results/prepare_f16_solve_ab_h100.json)
     solve_sm90_f16: bool = True
+    # ... the items whose fp16 products overflowed are redone by a second launch (prepare.redo_overflowed), one
+    # program per redo_block items (one vector load of their 64 row flags each where none is set)
+    redo_block: int = 128
     # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half
     # inputs, else tf32x3; or "ieee", "tf32x3", "tf32", "bf16")
     solve_precision: str = "auto"

@@ -22,8 +22,9 @@ operand from registers, the right one stored transposed (K-major, as tf32 wgmma 
 the bytes, the right operand row-major): each 8 x 8 diagonal block lies in one warp's accumulator registers, so its
 inverse is a 7-step forward substitution by warp shuffles with no shared memory (``_diag8_inverse``); then with
 N = L Dinv (N^8 = 0), ``(I + A)^-1 = Dinv (I - N)(I + N^2)(I + N^4)`` in four dependent levels of wgmma. A chunk whose
-fp16 products overflow (a non-finite result; raw keys of large norm) is redone from A, kept in the fp32 scratch, by
-the tf32 form.
+fp16 products overflow (a non-finite result; raw keys of large norm) is flagged (per row), and a second launch
+(``prepare._prepare_redo_kernel``: one vector load of a block of items' flags where none is set) redoes it with the
+portable tf32 solve.
 
 Rows of a partial chunk past its sequence hold the next sequence's tokens (or TMA zero fill): beta is 0 there, so
 they add nothing to A, and nothing is stored for them.
@@ -79,9 +80,9 @@ if G.AVAILABLE:
     @gluon.jit
     def _unit_lower_inverse_sm90(A, d_s, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr, l16=None, dt16=None,
                                  F16: gl.constexpr = False):
-        """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A in layout ``mma`` (module docstring). Scratch
-        (fp32): d_s [64, 16] plain, l_s and dt_s [64, 64] NVMMA; with F16 (the fp16 products, tf32 where they
-        overflow) also l16 and dt16, fp16 [64, 64] NVMMA. Returns fp32 in ``mma``."""
+        """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A in layout ``mma`` (module docstring). Scratch:
+        the tf32 solve's d_s [64, 16] plain and l_s, dt_s [64, 64] NVMMA (fp32); with F16 (the fp16 products) l16
+        and dt16, fp16 [64, 64] NVMMA, instead. Returns fp32 in ``mma``."""
         C: gl.constexpr = 64
         rl: gl.constexpr = gl.SliceLayout(1, mma)
         cl: gl.constexpr = gl.SliceLayout(0, mma)
@@ -89,17 +90,10 @@ if G.AVAILABLE:
         tc = gl.arange(0, C, layout=cl)
         low = (tr[:, None] // 16) > (tc[None, :] // 16)
         if F16:
-            # fp16 has tf32's 10-bit mantissa but not its range: A is kept in ``l_s`` so that a chunk whose fp16
-            # products overflow (|entries| > 65504: adversarial gates / keys only) is redone in tf32 from it
-            l_s.store(A)
+            # fp16 has tf32's 10-bit mantissa but not its range: a chunk whose products overflow (|entries| > 65504:
+            # adversarial gates / keys only) is flagged by the caller and redone elsewhere
             low8 = (tr[:, None] // 8) > (tc[None, :] // 8)
-            ai = _neumann8_f16(A, _diag8_inverse(A, mma), low8, l16, dt16, mma)
-            if not (gl.max(gl.max(gl.abs(ai), axis=1), axis=0) < 1.0e30):
-                cta_barrier()
-                A2 = l_s.load(mma)
-                cta_barrier()
-                ai = _neumann_tf32(A2, _block_inverses(A2, d_s, mma, num_warps), low, tr, tc, l_s, dt_s, mma,
-                                   num_warps)
+            ai = _neumann8(A, _diag8_inverse(A, mma), low8, l16, dt16, mma)
         else:
             ai = _neumann_tf32(A, _block_inverses(A, d_s, mma, num_warps), low, tr, tc, l_s, dt_s, mma, num_warps)
         return ai
@@ -178,14 +172,14 @@ if G.AVAILABLE:
         return gl.convert_layout(gl.reshape(y6, [C, C]), mma)
 
     @gluon.jit
-    def _neumann8_f16(A, dinv, low, l16, dt16, mma: gl.constexpr):
+    def _neumann8(A, dinv, low, l16, dt16, mma: gl.constexpr):
         """(I + A)^-1 from Dinv (the 8 x 8 diagonal blocks' inverses, registers) and L = A below those blocks
-        (``low``), as fp16 wgmma with fp32 accumulators (left operands from registers, right ones row-major in
-        ``l16`` / ``dt16``, fp16 [64, 64] NVMMA). With N = L Dinv (N^8 = 0), I + A = (I + N)(I + D), so
-        (I + A)^-1 = Dinv (I - N)(I + N^2)(I + N^4): N; N^2 and Dinv N side by side; N^4 and Z + Z N^2
-        (Z = Dinv - Dinv N); Z2 + Z2 N^4. Returns fp32 in ``mma``."""
+        (``low``), as 16-bit wgmma with fp32 accumulators (left operands from registers, right ones row-major in
+        ``l16`` / ``dt16``, [64, 64] NVMMA tiles whose dtype, fp16 or bf16, is the products'). With N = L Dinv
+        (N^8 = 0), I + A = (I + N)(I + D), so (I + A)^-1 = Dinv (I - N)(I + N^2)(I + N^4): N; N^2 and Dinv N side by
+        side; N^4 and Z + Z N^2 (Z = Dinv - Dinv N); Z2 + Z2 N^4. Returns fp32 in ``mma``."""
         C: gl.constexpr = 64
-        f16: gl.constexpr = gl.float16
+        f16: gl.constexpr = l16.dtype
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         zero = gl.zeros([C, C], gl.float32, layout=mma)
         dt16.store(dinv.to(f16))
@@ -247,7 +241,7 @@ if G.AVAILABLE:
 
     @gluon.jit
     def _chunk_prepare_sm90_kernel(
-        k_desc, q_desc, a_desc, p_desc, g, beta, gcum, ainv, rk_out, rq_out, p_out, qf_out, w_out, chunk_indices,
+        k_desc, q_desc, a_desc, p_desc, g, beta, gcum, ainv, rk_out, rq_out, p_out, qf_out, w_out, flags, chunk_indices,
         cu_seqlens, T,
         scale, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
@@ -258,7 +252,9 @@ if G.AVAILABLE:
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
         [B*T, HV] fp32, Ainv and P [B*T, HV, 64] (k's dtype), r_k and (STORE_RQ, with P and the L2 norm) r_q
         [B*T, H] fp32 (by the key head's first value head); STORE_W: the backward's W = Ainv diag(beta e^c r_k) k
-        [B*T, HV, K] (k's dtype; from the stored, rounded Ainv, as the reverse pass's W_AINV form computes it)."""
+        [B*T, HV, K] (k's dtype; from the stored, rounded Ainv, as the reverse pass's W_AINV form computes it).
+        SOLVE_F16: ``flags`` int8 [NT * HV, 64] <- per row of the item's Ainv, 1 where its fp16 products overflowed
+        (the item's Ainv / W are then redone by ``prepare._prepare_redo_kernel``), else 0."""
         C: gl.constexpr = 64
         pid = gl.program_id(0)
         i_t = pid // HV
@@ -286,7 +282,6 @@ if G.AVAILABLE:
         else:
             mbarrier.expect(bar, C * K * (dt.primitive_bitwidth // 8))
             tma_load(k_desc, [tok0 + t0, i_h * K], bar, k_s)
-        d_s = gl.allocate_shared_memory(gl.float32, [C, 16], plain)
 
         mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                       instr_shape=[16, C, 16])
@@ -302,7 +297,6 @@ if G.AVAILABLE:
         g_c = gl.load(g + i_b * s_gb + i_hv * s_gh + (t0 + tc) * s_gt, mask=tc < nv, other=0.0).to(gl.float32)
         b_r = gl.load(beta + i_b * s_bb + i_hv * s_bh + (t0 + tr) * s_bt, mask=m_r, other=0.0).to(gl.float32)
         c_r = gl.sum(gl.where(causal, g_c[None, :], 0.0), axis=1)
-        c_c = gl.convert_layout(c_r, cl)
         gl.store(gcum + tok_r * HV + i_hv, c_r, mask=m_r)
 
         # ---- Q Q^T first (r_q off its diagonal, so that its accumulator is dead before the other two land), then
@@ -335,6 +329,7 @@ if G.AVAILABLE:
             gl.store(rk_out + tok_r * H + i_h, rk_r, mask=m_r & (i_hv % (HV // H) == 0))
         # gam = Gamma diag(r_k): one exp2 per element, 0 above the diagonal; shared by A and P
         LOG2E: gl.constexpr = 1.4426950408889634
+        c_c = gl.convert_layout(c_r, cl)     # (here, not with c_r: 16 registers fewer across the products)
         gam = gl.exp2(gl.where(causal, (c_r * LOG2E)[:, None] - (c_c * LOG2E)[None, :], float("-inf")))
         gam = gam * rk_c[None, :]
         row_off = (tok_r * HV + i_hv) * C
@@ -351,25 +346,32 @@ if G.AVAILABLE:
         # A after P: Q K^T's accumulator is dead before A takes registers
         a = gl.where(tc[None, :] < tr[:, None], (kk * gam) * (b_r * rk_r)[:, None], 0.0)
         mbarrier.invalidate(bar)
-        # the solve's two NVMMA scratch tiles in the k / q tiles' bytes where these hold 16 KB (dead once the products
-        # are waited for)
-        REUSE: gl.constexpr = K * (dt.primitive_bitwidth // 8) == 4 * C
-        if REUSE and not STORE_W:
-            l_s = _as_tile(k_s, gl.float32, C, nvmma)
-        else:
-            l_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
-        if STORE_P and REUSE:
-            dt_s = _as_tile(q_s, gl.float32, C, nvmma)
-        else:
-            dt_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
         if SOLVE_F16:
             f16t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.float16)
             l16 = gl.allocate_shared_memory(gl.float16, [C, C], f16t)
             dt16 = gl.allocate_shared_memory(gl.float16, [C, C], f16t)
+            ai = _unit_lower_inverse_sm90(a, l16, l16, dt16, mma, num_warps, l16, dt16, True)
         else:
-            l16 = d_s
-            dt16 = d_s
-        ai = _unit_lower_inverse_sm90(a, d_s, l_s, dt_s, mma, num_warps, l16, dt16, SOLVE_F16)
+            # the tf32 solve's two NVMMA scratch tiles in the k / q tiles' bytes where these hold 16 KB (dead once
+            # the products are waited for)
+            d_s = gl.allocate_shared_memory(gl.float32, [C, 16], plain)
+            REUSE: gl.constexpr = K * (dt.primitive_bitwidth // 8) == 4 * C
+            if REUSE and not STORE_W:
+                l_s = _as_tile(k_s, gl.float32, C, nvmma)
+            else:
+                l_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
+            if STORE_P and REUSE:
+                dt_s = _as_tile(q_s, gl.float32, C, nvmma)
+            else:
+                dt_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
+            ai = _unit_lower_inverse_sm90(a, d_s, l_s, dt_s, mma, num_warps)
+        if SOLVE_F16:
+            # overflowed fp16 products (a non-finite or huge entry, NaN included), flagged per row (a reduction
+            # inside each warp, no CTA barrier) for prepare._prepare_redo_kernel, which redoes the item with the
+            # tf32 solve (an in-kernel redo cost this kernel 4-5% at 168 registers and kept it from 128, a CTA-wide
+            # flag ~7% more: bench/NOTES.md)
+            bad = gl.max(gl.where(gl.abs(ai) < 1.0e30, 0.0, 1.0), axis=1)
+            gl.store(flags + pid * C + tr, bad.to(gl.int8))
         ai = ai.to(dt)
         # Ainv's staging tile in the fp16 products' bytes (dead after the solve) where they exist
         a_lay: gl.constexpr = a_desc.layout
@@ -412,10 +414,14 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
 
 
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
-                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None, solve_f16=False):
+                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None, solve_f16=False, flags=None):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
     P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with q and the L2 norm; the caller
-    passes it only then); ``w`` [B, T, HV, K] (contiguous, k's dtype): also W. Unused tensors may be None."""
+    passes it only then); ``w`` [B, T, HV, K] (contiguous, k's dtype): also W. ``solve_f16``: the fp16 solve, which
+    writes the overflow flags ``flags`` (int8 [NT * HV, 64], one per row; the caller redoes the flagged items).
+    Unused tensors may be None."""
+    if solve_f16 and (flags is None or flags.numel() < NT * HV * CHUNK):
+        raise ValueError("launch_prepare: the fp16 solve needs flags, int8 [NT * HV, 64]")
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn) if q is not None else k_desc
@@ -424,7 +430,8 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
     launch(_chunk_prepare_sm90_kernel, (NT * HV,),
         k_desc, q_desc, a_desc, p_desc, g, beta, g_cum, ainv, rk if rk is not None else g_cum,
         rq if rq is not None else g_cum, p if p is not None else ainv,
-        qf if qf is not None else g_cum, w if w is not None else ainv, chunk_indices,
+        qf if qf is not None else g_cum, w if w is not None else ainv, flags if flags is not None else chunk_indices,
+        chunk_indices,
         cu_seqlens if cu_seqlens is not None else chunk_indices, T, float(scale), *s_g, *s_beta,
         H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
         STORE_P=q is not None, STORE_RQ=rq is not None, STORE_W=w is not None, num_warps=4, SOLVE_F16=bool(solve_f16),

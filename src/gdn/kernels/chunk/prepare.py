@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import tuning
+from ..common import cdiv
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _load_tile,
                      _pow2, _rn, _seq_span, _strides3)
 from . import hopper_prepare
@@ -85,7 +86,49 @@ def _chunk_prepare_kernel(
     STORE_RK: tl.constexpr, STORE_P: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
     STORE_RQ: tl.constexpr = False,
 ):
-    """One program per (chunk, value head): g_cum (chunk-local cumsum), A = strictLower(diag(beta r_k) (Gamma * K K^T)
+    """One program per (chunk, value head): :func:`_prepare_item` of item ``program_id(0)``."""
+    _prepare_item(tl.program_id(0), k, v, g, beta, gcum, ainv, w, u, rk_out, rq_out, q, p_out, qf_out, chunk_indices,
+                  cu_seqlens, T, scale, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_qb,
+                  s_qt, s_qh, H, HV, K, V, BK, BV, USE_L2, IS_VARLEN, G_IS_CUM, STORE_G, STORE_A, LOAD_A, STORE_W,
+                  STORE_U, STORE_RK, STORE_P, DT, PREC, SOLVE_PREC, STORE_RQ)
+
+
+@triton.jit(do_not_specialize=["T", "n_items"])
+def _prepare_redo_kernel(
+    flags, n_items, k, beta, gcum, ainv, w, chunk_indices, cu_seqlens, T, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_L2: tl.constexpr,
+    IS_VARLEN: tl.constexpr, STORE_W: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Ainv (and with STORE_W, W) of the (chunk, value head) items with a row flag set in ``flags`` (int8
+    [n_items, 64], item = chunk * HV + value head), from the stored g_cum, with the tf32 solve: the sm_90 prepare's
+    fp16 products overflowed there (raw keys of large norm; adversarial inputs only). One program per BLOCK items:
+    one vector load of their flags, nothing more where none is set."""
+    base = tl.program_id(0) * BLOCK
+    offs = base + tl.arange(0, BLOCK)
+    r64 = tl.arange(0, 64)
+    f = tl.load(flags + offs[:, None] * 64 + r64[None, :], mask=(offs < n_items)[:, None], other=0)
+    if tl.max(tl.max(f.to(tl.int32), axis=1), axis=0) > 0:
+        for j in range(BLOCK):
+            item = base + j
+            if item < n_items:
+                if tl.max(tl.load(flags + item * 64 + r64).to(tl.int32), axis=0) != 0:
+                    _prepare_item(item, k, k, gcum, beta, gcum, ainv, w, w, gcum, gcum, k, ainv, gcum, chunk_indices,
+                                  cu_seqlens, T, 1.0, s_kb, s_kt, s_kh, 0, 0, 0, T * HV, HV, 1, s_bb, s_bt, s_bh,
+                                  s_kb, s_kt, s_kh, H, HV, K, K, BK, BK, USE_L2, IS_VARLEN, True, False, True, False,
+                                  STORE_W, False, False, False, DT, "tf32", "tf32", False)
+
+
+@triton.jit
+def _prepare_item(
+    pid, k, v, g, beta, gcum, ainv, w, u, rk_out, rq_out, q, p_out, qf_out, chunk_indices, cu_seqlens, T, scale,
+    s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh, s_qb, s_qt, s_qh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, G_IS_CUM: tl.constexpr, STORE_G: tl.constexpr,
+    STORE_A: tl.constexpr, LOAD_A: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
+    STORE_RK: tl.constexpr, STORE_P: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    STORE_RQ: tl.constexpr,
+):
+    """Item ``pid`` = chunk * HV + value head: g_cum (chunk-local cumsum), A = strictLower(diag(beta r_k) (Gamma * K K^T)
     diag(r_k)) with r_k the L2 row scalings, Ainv = (I + A)^-1 (stored as [64, 64] rows of the [B, T, HV, 64] buffer),
     W = Ainv diag(beta exp(g) r_k) K, U = Ainv diag(beta) V; r_k stored per key head ([B, T, H] fp32) when asked.
     LOAD_A: Ainv is read instead of computed (recompute of W / U). STORE_P: the output's intra-chunk matrix
@@ -95,7 +138,6 @@ def _chunk_prepare_kernel(
     of computing it again."""
     # one flat grid, value heads fastest: the HV // H programs sharing a key head's k (and q) tiles run side by side
     # and read them once from memory (grid order (NT, HV) was 4-5% slower on the H200)
-    pid = tl.program_id(0)
     i_t = pid // HV
     i_hv = pid % HV
     n = tl.load(chunk_indices + 2 * i_t)
@@ -197,12 +239,16 @@ def _chunk_prepare_kernel(
                      mask=m[:, None] & mv[None, :])
 
 
-def _sm90_prepare_cap(cfg, with_p_or_w: bool):
-    """The sm_90 prepare's register cap (None: uncapped): the P / W builds at ``prepare_sm90_maxnreg``; without
-    them the fp16 solve's build at ``prepare_sm90_maxnreg_nop``, the tf32 one uncapped (~138 registers)."""
-    if with_p_or_w:
+def _sm90_prepare_cap(cfg, with_p: bool, with_w: bool = False, gva: bool = False):
+    """The sm_90 prepare's register cap (None: uncapped): the fp16 solve's P build at ``prepare_sm90_maxnreg_gva``
+    where value heads share key heads (``gva``: HV > H), the other P / W builds at ``prepare_sm90_maxnreg``; without
+    P and W the fp16 solve's build at ``prepare_sm90_maxnreg_nop``, the tf32 one uncapped (~138 registers)."""
+    f16 = bool(cfg.solve_sm90_f16)
+    if with_p and not with_w and gva and f16:
+        return int(cfg.prepare_sm90_maxnreg_gva) or None
+    if with_p or with_w:
         return int(cfg.prepare_sm90_maxnreg) or None
-    return (int(cfg.prepare_sm90_maxnreg_nop) or None) if cfg.solve_sm90_f16 else None
+    return (int(cfg.prepare_sm90_maxnreg_nop) or None) if f16 else None
 
 
 def _solve_precision(cfg, dt: torch.dtype, store_dtype: torch.dtype) -> str:
@@ -234,8 +280,9 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     dtype) and row factors qf [B, T, HV] fp32 (kernel docstring), returned as a 5th and 6th value; ``rq``: with
     ``q`` and the L2 norm, an fp32 [B, T, H] buffer that receives q's L2 row scalings too (as ``rk`` k's).
     On sm_90 the forward's launches (Ainv in k's 16-bit dtype, no W / U) run as the Gluon kernel of
-    :mod:`.hopper_prepare` (``chunk_fwd.prepare_sm90``); there ``keep_w`` has it store the backward's W too (returned
-    as w; elsewhere ``keep_w`` is ignored and w is None).
+    :mod:`.hopper_prepare` (``chunk_fwd.prepare_sm90``), followed by :func:`redo_overflowed` for its fp16 solve;
+    there ``keep_w`` has it store the backward's W too (returned as w; elsewhere ``keep_w`` is ignored and w is
+    None).
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
@@ -263,12 +310,16 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     if cfg.prepare_sm90 and store_ainv and not store_wu and not g_is_cumsum \
             and hopper_prepare.supported(k, q, K, ainv_dtype, solve_prec):
         w = _empty(B, T, HV, K, device=dev, dtype=dt) if keep_w else None
+        f16 = bool(cfg.solve_sm90_f16)
+        flags = torch.empty(ci.NT * HV, CHUNK_SIZE, device=dev, dtype=torch.int8) if f16 else None
         hopper_prepare.launch_prepare(
             k, q, g, beta, g_cum, ainv, rk if store_rk else None, p, qf, ci.chunk_indices,
             cu_seqlens, ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
             use_l2=bool(use_qk_l2norm_in_kernel), is_varlen=ci.is_varlen,
-            maxnreg=_sm90_prepare_cap(cfg, q is not None or keep_w),
-            rq=rq if store_rq else None, w=w, solve_f16=cfg.solve_sm90_f16)
+            maxnreg=_sm90_prepare_cap(cfg, q is not None, keep_w, HV > H),
+            rq=rq if store_rq else None, w=w, solve_f16=f16, flags=flags)
+        if f16:
+            redo_overflowed(flags, k, beta, g_cum, ainv, w, ci, cu_seqlens, T, use_qk_l2norm_in_kernel)
         return (g_cum, ainv, w, u) + extra
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
@@ -290,6 +341,24 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
         maxnreg=cfg.prepare_maxnreg,
     )
     return (g_cum, ainv, w, u) + extra
+
+
+def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor,
+                    ainv: torch.Tensor, w: Optional[torch.Tensor], ci: ChunkIndex, cu_seqlens, T: int,
+                    use_qk_l2norm_in_kernel: bool) -> None:
+    """Ainv (and W when given) of the items flagged in ``flags`` (int8 [NT * HV, 64], a flag per row; item =
+    chunk * HV + value head) recomputed in place with the tf32 solve from k, beta and the stored g_cum
+    (:func:`_prepare_redo_kernel`): the sm_90 prepare's fp16 products overflowed there. One program per
+    ``chunk_fwd.redo_block`` items."""
+    B, _, H, K = k.shape
+    HV = beta.shape[2]
+    n = ci.NT * HV
+    block = int(tuning.chunk_fwd(k.device).redo_block)
+    _launch(_prepare_redo_kernel, (cdiv(n, block),),
+            flags, n, k, beta, g_cum, ainv, w if w is not None else ainv, ci.chunk_indices,
+            _cu_arg(cu_seqlens, ci.chunk_offsets), T, *_strides3(k), *_strides3(beta),
+            H=H, HV=HV, K=K, BK=min(64, _pow2(K)), USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
+            STORE_W=w is not None, DT=_TL[_dot_dtype(k, k)], BLOCK=block, num_warps=4, num_stages=1)
 
 
 def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = CHUNK_SIZE, cu_seqlens: Optional[torch.Tensor] = None,
