@@ -903,6 +903,36 @@ def test_prepare_redo_overflowed(with_w):
                     assert torch.isnan(w_out[0, a:b, hv]).all()
 
 
+@pytest.mark.parametrize("gluon", [True, False])
+def test_segment_pass_dispatch_sm90(monkeypatch, gluon):
+    """chunk_state_pass's segment pass where the sm_90 state pass supports INIT 3 (support emulated, launches
+    recorded): a segmented run sends its local states + transitions launch to the Gluon pass once, over (V / tile +
+    K / tile, HV, segments) programs at ``chunk_fwd.state_sm90_segment_BV``, with hloc / trans as its outputs; with
+    ``state_sm90_segment_pass`` off, or unsegmented, it does not."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import prepare, state
+
+    calls = []
+    monkeypatch.setattr(state.hopper, "supported", lambda *a, **kw: a[8] == 3)
+    monkeypatch.setattr(state.hopper, "launch_state_pass", lambda grid, *a, **kw: calls.append((grid, a, kw)))
+    B, T, H, HV, K = 1, 5 * 64 + 3, 1, 2, 64
+    x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
+    g_cum, ainv, _, _ = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, None, 64, True, store_wu=False,
+                                                  ainv_dtype=torch.bfloat16)
+    for seg in (2, -1):
+        calls.clear()
+        with tuning.override("chunk_fwd", state_sm90_segment_pass=gluon):
+            state.chunk_state_pass(x.k, None, None, g_cum, None, True, None, 64, True, v=x.v, beta=x.beta, ainv=ainv,
+                                   segment_chunks=seg)
+        if gluon and seg > 0:
+            (grid, a, kw), = calls
+            bv = tuning.chunk_fwd(x.k.device).state_sm90_segment_BV
+            assert kw["INIT"] == 3 and kw["BV"] == bv and grid == (K // bv + K // bv, HV, 3)   # 6 chunks / 2
+            assert a[8].shape == (3, HV, K, K) and a[9].shape == (3, HV, K, K)    # h0 = trans, ht = hloc
+        else:
+            assert calls == []
+
+
 @pytest.mark.parametrize("fused_states", [True, False])
 def test_fused_kernel_keeps_states_when_asked(monkeypatch, fused_states):
     """chunk_gated_delta_rule_fwd with return_states where the fused Hopper kernel takes the final pass (plan and

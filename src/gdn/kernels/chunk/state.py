@@ -521,7 +521,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 num_warps=int(cfg.state_warps), num_stages=int(cfg.state_stages), maxnreg=cfg.state_maxnreg,
                 **(ck or {}), **flags)
 
-    segment_sm90 = _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h)
+    segment_sm90 = False     # (the segmented branch below decides)
     s0 = _state_strides(initial_state, state_layout)
     s1 = _state_strides(ht, state_layout)
     P = initial_state.shape[0] if initial_state is not None else 0
@@ -537,6 +537,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     hloc = _empty(S, HV, K, V, device=dev, dtype=torch.float32)
     trans = _empty(S, HV, K, K, device=dev, dtype=torch.float32)
     vl = _state_strides(hloc, "v_last")
+    segment_sm90 = _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h)
     # one launch: local states (programs 0 .. NV-1) and transition matrices (programs NV .. NV+NK-1)
     launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, _state_strides(trans, "v_last"), vl,
            n_extra=cdiv(K, BV), INIT=3, H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True,
