@@ -200,30 +200,23 @@ def chunk_sm90_segment_pass(device):
     final state, and that the Gluon launch ran."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
-    from ..kernels.chunk import chunk_gated_delta_rule_fwd, hopper
+    from ..kernels.chunk import chunk_gated_delta_rule_fwd
     from ..kernels.tuning import override
+    from .chunk_backward import _counting_sm90_launches
 
     T, H, HV, K, V = 64 * 96 + 37, 2, 4, 128, 128
     x = make_inputs(1, T, H, HV, K, V, dtype=torch.bfloat16, device=device)
     h0 = torch.randn(1, HV, K, V, device=device) * 0.5
-    real = hopper.launch_state_pass
     out = []
     for mode in ("ainv", "wu"):
         for seg in (4, 16):
             res = []
             for gluon in (False, True):
-                calls = [0]
-
-                def counted(*a, **kw):
-                    calls[0] += kw.get("INIT") == 3
-                    return real(*a, **kw)
-                hopper.launch_state_pass = counted
-                try:
-                    with override("chunk_fwd", state_mode=mode, segment_chunks=seg, state_sm90_segment_pass=gluon):
-                        o, ht, _ = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, h0, True, None,
-                                                              use_qk_l2norm_in_kernel=True, return_states=False)
-                finally:
-                    hopper.launch_state_pass = real
+                with override("chunk_fwd", state_mode=mode, segment_chunks=seg, state_sm90_segment_pass=gluon), \
+                        _counting_sm90_launches("gdn.kernels.chunk.hopper", "launch_state_pass",
+                                                when=lambda kw: kw.get("INIT") == 3) as calls:
+                    o, ht, _ = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, h0, True, None,
+                                                          use_qk_l2norm_in_kernel=True, return_states=False)
                 res.append((o, ht, calls[0]))
             name = f"sm90 segment pass {mode} seg={seg}"
             ran = res[1][2] == 1 and res[0][2] == 0

@@ -142,9 +142,10 @@ def _sm90_gluon_available(device) -> bool:
 
 
 @contextlib.contextmanager
-def _counting_sm90_launches(module="hopper", name="launch_dh_pass"):
+def _counting_sm90_launches(module="hopper", name="launch_dh_pass", when=None):
     """Counts calls of an sm_90 launcher (default the reverse pass, ``hopper.launch_dh_pass``; the parts kernel is
-    ``hopper_parts.launch_parts``; a dotted ``module`` is a full module path) in its block: yields a one-item list."""
+    ``hopper_parts.launch_parts``; a dotted ``module`` is a full module path) in its block, only those whose keyword
+    arguments satisfy ``when(kw)`` where given: yields a one-item list."""
     import importlib
 
     mod = importlib.import_module(module if "." in module else f"gdn.kernels.chunk.backward.{module}")
@@ -152,7 +153,7 @@ def _counting_sm90_launches(module="hopper", name="launch_dh_pass"):
     real = getattr(mod, name)
 
     def counted(*a, **kw):
-        calls[0] += 1
+        calls[0] += when is None or bool(when(kw))
         return real(*a, **kw)
     setattr(mod, name, counted)
     try:

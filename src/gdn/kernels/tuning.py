@@ -50,8 +50,8 @@ class ChunkForward:
     # solve by a second launch (prepare.redo_overflowed). H100: prepare -4 to -8%
     # (bench/results/prepare_f16_solve_ab_h100.json)
     solve_sm90_f16: bool = True
-    # ... the items whose fp16 products overflowed are redone by a second launch (prepare.redo_overflowed), one
-    # program per redo_block items (one vector load of their 64 row flags each where none is set)
+    # ... that launch's programs: one per redo_block items (one vector load of their 64 row flags each where none
+    # is set)
     redo_block: int = 128
     # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half
     # inputs, else tf32x3; or "ieee", "tf32x3", "tf32", "bf16")

@@ -78,27 +78,6 @@ if G.AVAILABLE:
             _store_tile(ptr, x, row_off, nv, C, num_warps)
 
     @gluon.jit
-    def _unit_lower_inverse_sm90(A, d_s, l_s, dt_s, mma: gl.constexpr, num_warps: gl.constexpr, l16=None, dt16=None,
-                                 F16: gl.constexpr = False):
-        """(I + A)^-1 for a strictly lower triangular fp32 [64, 64] A in layout ``mma`` (module docstring). Scratch:
-        the tf32 solve's d_s [64, 16] plain and l_s, dt_s [64, 64] NVMMA (fp32); with F16 (the fp16 products) l16
-        and dt16, fp16 [64, 64] NVMMA, instead. Returns fp32 in ``mma``."""
-        C: gl.constexpr = 64
-        rl: gl.constexpr = gl.SliceLayout(1, mma)
-        cl: gl.constexpr = gl.SliceLayout(0, mma)
-        tr = gl.arange(0, C, layout=rl)
-        tc = gl.arange(0, C, layout=cl)
-        low = (tr[:, None] // 16) > (tc[None, :] // 16)
-        if F16:
-            # fp16 has tf32's 10-bit mantissa but not its range: a chunk whose products overflow (|entries| > 65504:
-            # adversarial gates / keys only) is flagged by the caller and redone elsewhere
-            low8 = (tr[:, None] // 8) > (tc[None, :] // 8)
-            ai = _neumann8(A, _diag8_inverse(A, mma), low8, l16, dt16, mma)
-        else:
-            ai = _neumann_tf32(A, _block_inverses(A, d_s, mma, num_warps), low, tr, tc, l_s, dt_s, mma, num_warps)
-        return ai
-
-    @gluon.jit
     def _block_inverses(A, d_s, mma: gl.constexpr, num_warps: gl.constexpr):
         """Dinv^T [64, 64] fp32 in registers: the transposed inverses of the four 16 x 16 unit lower diagonal blocks
         I + D_b of A (``mma`` layout), zeros elsewhere (scratch d_s [64, 16] fp32). The diagonal blocks are cut from A
@@ -172,14 +151,14 @@ if G.AVAILABLE:
         return gl.convert_layout(gl.reshape(y6, [C, C]), mma)
 
     @gluon.jit
-    def _neumann8(A, dinv, low, l16, dt16, mma: gl.constexpr):
+    def _neumann8_f16(A, dinv, low, l16, dt16, mma: gl.constexpr):
         """(I + A)^-1 from Dinv (the 8 x 8 diagonal blocks' inverses, registers) and L = A below those blocks
-        (``low``), as 16-bit wgmma with fp32 accumulators (left operands from registers, right ones row-major in
-        ``l16`` / ``dt16``, [64, 64] NVMMA tiles whose dtype, fp16 or bf16, is the products'). With N = L Dinv
-        (N^8 = 0), I + A = (I + N)(I + D), so (I + A)^-1 = Dinv (I - N)(I + N^2)(I + N^4): N; N^2 and Dinv N side by
-        side; N^4 and Z + Z N^2 (Z = Dinv - Dinv N); Z2 + Z2 N^4. Returns fp32 in ``mma``."""
+        (``low``), as fp16 wgmma with fp32 accumulators (left operands from registers, right ones row-major in
+        ``l16`` / ``dt16``, fp16 [64, 64] NVMMA). With N = L Dinv (N^8 = 0), I + A = (I + N)(I + D), so
+        (I + A)^-1 = Dinv (I - N)(I + N^2)(I + N^4): N; N^2 and Dinv N side by side; N^4 and Z + Z N^2
+        (Z = Dinv - Dinv N); Z2 + Z2 N^4. Returns fp32 in ``mma``."""
         C: gl.constexpr = 64
-        f16: gl.constexpr = l16.dtype
+        f16: gl.constexpr = gl.float16
         dot_a: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
         zero = gl.zeros([C, C], gl.float32, layout=mma)
         dt16.store(dinv.to(f16))
@@ -346,11 +325,15 @@ if G.AVAILABLE:
         # A after P: Q K^T's accumulator is dead before A takes registers
         a = gl.where(tc[None, :] < tr[:, None], (kk * gam) * (b_r * rk_r)[:, None], 0.0)
         mbarrier.invalidate(bar)
+        # ---- Ainv = (I + A)^-1 (module docstring)
         if SOLVE_F16:
+            # fp16 has tf32's 10-bit mantissa but not its range: rows whose products overflow (|entries| > 65504:
+            # adversarial gates / keys only) are flagged below and redone by a second launch
             f16t: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.float16)
             l16 = gl.allocate_shared_memory(gl.float16, [C, C], f16t)
             dt16 = gl.allocate_shared_memory(gl.float16, [C, C], f16t)
-            ai = _unit_lower_inverse_sm90(a, l16, l16, dt16, mma, num_warps, l16, dt16, True)
+            low8 = (tr[:, None] // 8) > (tc[None, :] // 8)
+            ai = _neumann8_f16(a, _diag8_inverse(a, mma), low8, l16, dt16, mma)
         else:
             # the tf32 solve's two NVMMA scratch tiles in the k / q tiles' bytes where these hold 16 KB (dead once
             # the products are waited for)
@@ -364,7 +347,8 @@ if G.AVAILABLE:
                 dt_s = _as_tile(q_s, gl.float32, C, nvmma)
             else:
                 dt_s = gl.allocate_shared_memory(gl.float32, [C, C], nvmma)
-            ai = _unit_lower_inverse_sm90(a, d_s, l_s, dt_s, mma, num_warps)
+            low = (tr[:, None] // 16) > (tc[None, :] // 16)
+            ai = _neumann_tf32(a, _block_inverses(a, d_s, mma, num_warps), low, tr, tc, l_s, dt_s, mma, num_warps)
         if SOLVE_F16:
             # overflowed fp16 products (a non-finite or huge entry, NaN included), flagged per row (a reduction
             # inside each warp, no CTA barrier) for prepare._prepare_redo_kernel, which redoes the item with the
@@ -398,8 +382,8 @@ if G.AVAILABLE:
         if STORE_P:
             # a use of P's staging tile after its store was read: the compiler's shared-memory allocator frees a
             # buffer after its last use, and the TMA store (an asynchronous reader) does not count as one after it
-            # is issued, so without this the solve's scratch (the overflow check's reduction) could take the bytes
-            # while the store still reads them (seen: one gdn check row in 118 off, not repeatable)
+            # is issued, so without this later shared-memory scratch (the solve's layout conversions) could take the
+            # bytes while the store still reads them (seen: one gdn check row in 118 off, not repeatable)
             p_st.store(gl.zeros([C, C], dt, layout=mma))
 
 

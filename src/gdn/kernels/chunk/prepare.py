@@ -112,10 +112,14 @@ def _prepare_redo_kernel(
             item = base + j
             if item < n_items:
                 if tl.max(tl.load(flags + item * 64 + r64).to(tl.int32), axis=0) != 0:
+                    # g_cum read back as a cumulative g ([B, T, HV] contiguous); only Ainv (and W) stored; the
+                    # inputs no mode here reads (v, u, q, P, qf, r_k / r_q) get placeholders
                     _prepare_item(item, k, k, gcum, beta, gcum, ainv, w, w, gcum, gcum, k, ainv, gcum, chunk_indices,
                                   cu_seqlens, T, 1.0, s_kb, s_kt, s_kh, 0, 0, 0, T * HV, HV, 1, s_bb, s_bt, s_bh,
-                                  s_kb, s_kt, s_kh, H, HV, K, K, BK, BK, USE_L2, IS_VARLEN, True, False, True, False,
-                                  STORE_W, False, False, False, DT, "tf32", "tf32", False)
+                                  s_kb, s_kt, s_kh, H=H, HV=HV, K=K, V=K, BK=BK, BV=BK, USE_L2=USE_L2,
+                                  IS_VARLEN=IS_VARLEN, G_IS_CUM=True, STORE_G=False, STORE_A=True, LOAD_A=False,
+                                  STORE_W=STORE_W, STORE_U=False, STORE_RK=False, STORE_P=False, DT=DT, PREC="tf32",
+                                  SOLVE_PREC="tf32", STORE_RQ=False)
 
 
 @triton.jit
@@ -350,7 +354,7 @@ def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_
     chunk * HV + value head) recomputed in place with the tf32 solve from k, beta and the stored g_cum
     (:func:`_prepare_redo_kernel`): the sm_90 prepare's fp16 products overflowed there. One program per
     ``chunk_fwd.redo_block`` items."""
-    B, _, H, K = k.shape
+    H, K = k.shape[2], k.shape[3]
     HV = beta.shape[2]
     n = ci.NT * HV
     block = int(tuning.chunk_fwd(k.device).redo_block)

@@ -207,16 +207,11 @@ def _written_rows(rows: torch.Tensor, read_idx: Optional[torch.Tensor], P_read: 
     return torch.where(ok.view(-1, *([1] * (rows.dim() - 1))), rows, -1).contiguous()
 
 
-def _segment_sm90_bv(cfg) -> int:
-    """V tile of the sm_90 segment pass (``chunk_fwd.state_sm90_segment_BV``; it divides V and K)."""
-    return int(cfg.state_sm90_segment_BV)
-
-
 def _segment_sm90(cfg, k, xs, mats, dt, K: int, V: int, split_h: bool) -> bool:
     """Whether a segmented run's segment pass (local states and transitions, INIT 3) is the Gluon state pass:
     ``chunk_fwd.state_sm90`` and ``state_sm90_segment_pass``, a launch ``hopper.supported`` takes, a tile dividing V
     and K."""
-    bv = _segment_sm90_bv(cfg)
+    bv = int(cfg.state_sm90_segment_BV)
     return (bool(cfg.state_sm90 and cfg.state_sm90_segment_pass) and xs is not None and not split_h
             and bv in (32, 64) and V % bv == 0 and K % bv == 0
             and hopper.supported(k, xs, mats, None, None, dt, K, V, 3, False))
@@ -350,7 +345,7 @@ def _segmented_cost(ci: ChunkIndex, plan, HV: int, K: int, V: int, bv: int, dev,
     ``state_sm90_merge_cost`` per segment of the longest sequence and ``state_sm90_segment_fixed_cost`` (its two
     launches more)."""
     longest, L = max(ci.nchunks), max(1, plan.seg_len)
-    bvp = _segment_sm90_bv(cfg) if cfg.state_sm90_segment_pass else _state_bv(K, V, dev)
+    bvp = int(cfg.state_sm90_segment_BV) if cfg.state_sm90_segment_pass else _state_bv(K, V, dev)
     per_sm = -(-plan.S * HV * (cdiv(V, bvp) + cdiv(K, bvp)) // _num_sms(dev))
     seg_step = (float(cfg.state_sm90_segment_pass_cost) if per_sm <= 1
                 else float(cfg.state_sm90_segment_pass_cost2) * (-(-per_sm // 2)))
@@ -488,15 +483,6 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 BV=bv_fused, stages=cfg.state_sm90_stages, h_out=h_out, vnew=vn_out, chunk_offsets=ci.chunk_offsets,
                 transposed=bv_fused == 128, load_warp=bv_fused <= int(cfg.state_sm90_load_warp_bv))
             return
-        if n_extra and segment_sm90:
-            # Hopper: the segment pass (local states + transitions, INIT 3) as the Gluon state pass
-            bvs = _segment_sm90_bv(cfg)
-            hopper.launch_state_pass(
-                (cdiv(V, bvs) + cdiv(K, bvs), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, None, None, h0,
-                ht_, ci.chunk_offsets, ci.chunk_offsets, plan.segments, cu, ci.chunk_offsets, T, P0, P1, sb, s0, s1,
-                H=H, HV=HV, K=K, V=V, use_l2=l2, is_varlen=ci.is_varlen, INIT=3, H0_BY_SEG=False, H0_INDEXED=False,
-                HT_BY_SEG=True, HT_INDEXED=False, from_ainv=from_ainv, BV=bvs, stages=cfg.state_sm90_stages)
-            return
         bv9 = sm90_tile(S * HV) if (not fused and n_extra == 0 and Vd == V) else 0
         if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,
                                     checkpoints=bool(ck)):
@@ -521,7 +507,6 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 num_warps=int(cfg.state_warps), num_stages=int(cfg.state_stages), maxnreg=cfg.state_maxnreg,
                 **(ck or {}), **flags)
 
-    segment_sm90 = False     # (the segmented branch below decides)
     s0 = _state_strides(initial_state, state_layout)
     s1 = _state_strides(ht, state_layout)
     P = initial_state.shape[0] if initial_state is not None else 0
@@ -537,11 +522,19 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     hloc = _empty(S, HV, K, V, device=dev, dtype=torch.float32)
     trans = _empty(S, HV, K, K, device=dev, dtype=torch.float32)
     vl = _state_strides(hloc, "v_last")
-    segment_sm90 = _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h)
+    st = _state_strides(trans, "v_last")
     # one launch: local states (programs 0 .. NV-1) and transition matrices (programs NV .. NV+NK-1)
-    launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, _state_strides(trans, "v_last"), vl,
-           n_extra=cdiv(K, BV), INIT=3, H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True,
-           HT_INDEXED=False)
+    if _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h):
+        # Hopper: as the Gluon state pass (INIT 3)
+        bvs = int(cfg.state_sm90_segment_BV)
+        hopper.launch_state_pass(
+            (cdiv(V, bvs) + cdiv(K, bvs), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, None, None, trans,
+            hloc, ci.chunk_offsets, ci.chunk_offsets, plan.segments, cu, ci.chunk_offsets, T, 0, S, sb, st, vl,
+            H=H, HV=HV, K=K, V=V, use_l2=l2, is_varlen=ci.is_varlen, INIT=3, H0_BY_SEG=False, H0_INDEXED=False,
+            HT_BY_SEG=True, HT_INDEXED=False, from_ainv=from_ainv, BV=bvs, stages=cfg.state_sm90_stages)
+    else:
+        launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, st, vl, n_extra=cdiv(K, BV), INIT=3,
+               H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True, HT_INDEXED=False)
     hs = merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy, out_idx)
     launch(V, BV, S, h, v_new, hs, None, None, None, S, 0, vl, (0, 0, 0, 0), INIT=1,
            H0_BY_SEG=True, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=False, HT_INDEXED=False, ck=ck_kw)
