@@ -300,7 +300,6 @@ if G.AVAILABLE:
             kk = warpgroup_mma_wait(0, deps=[kk])
         if USE_L2:
             rk_r = gl.rsqrt(gl.sum(gl.where(diag, kk, 0.0), axis=1) + 1e-6)
-            rk_c = gl.convert_layout(rk_r, cl)
         else:
             rk_r = gl.full([C], 1.0, gl.float32, layout=rl)
             rk_c = gl.full([C], 1.0, gl.float32, layout=cl)
@@ -308,7 +307,13 @@ if G.AVAILABLE:
             gl.store(rk_out + tok_r * H + i_h, rk_r, mask=m_r & (i_hv % (HV // H) == 0))
         # gam = Gamma diag(r_k): one exp2 per element, 0 above the diagonal; shared by A and P
         LOG2E: gl.constexpr = 1.4426950408889634
-        c_c = gl.convert_layout(c_r, cl)     # (here, not with c_r: 16 registers fewer across the products)
+        if USE_L2:   # c and r_k row -> column together: one conversion of the packed [C, 2] pair (2 barriers fewer)
+            pair_l: gl.constexpr = gl.join(tc.to(gl.float32), tc.to(gl.float32)).type.layout   # [C, 2] over cl
+            c_c, rk_c = gl.split(gl.convert_layout(gl.join(c_r, rk_r), pair_l))
+            c_c = gl.convert_layout(c_c, cl)      # split's layout is cl's equal: no data movement
+            rk_c = gl.convert_layout(rk_c, cl)
+        else:
+            c_c = gl.convert_layout(c_r, cl)
         gam = gl.exp2(gl.where(causal, (c_r * LOG2E)[:, None] - (c_c * LOG2E)[None, :], float("-inf")))
         gam = gam * rk_c[None, :]
         row_off = (tok_r * HV + i_hv) * C
