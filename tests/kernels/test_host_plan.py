@@ -5,6 +5,8 @@ On CPU the kernels run in Triton's interpreter (PLAN_CPU on here); the sm_90 pat
 launcher) are covered on the GPU by ``gdn check --ops chunk_backward`` ("host plan" rows)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -309,3 +311,61 @@ def test_launches_of_other_threads_are_not_recorded(plans, device):
     for _ in range(2):
         x = torch.randn(64, device=device)
         torch.testing.assert_close(_pausing(x), 3 * x)
+
+
+@dataclasses.dataclass
+class _Desc:
+    """Stands in for a TMA tensor descriptor (its fields as Gluon's; the base filled in per call)."""
+    base: object
+    shape: list
+    strides: list
+    block_shape: list
+    padding: str = "zero"
+
+
+def test_fast_launch_fills_only_the_calls_tensors_and_descriptors(monkeypatch):
+    """A bound launch step (host_plan._FastLaunch) passes the launcher what launch.fire would get from the
+    Python path: on the generic form the argument list with this call's tensors and descriptors (and keyword
+    templates) filled in; on the direct form (Triton 3.6's C launcher, stood in for here) every descriptor expanded
+    as Triton expands it, encoded once per base address, the tail of constexprs after the arguments."""
+    from gdn.kernels import launch as L
+
+    inputs = [torch.randn(8, 4), torch.randn(16, 4)]
+    allocs = [torch.empty(8, 4)]
+    targs = [("t", ("in", 0)), ("v", 7), ("d", _Desc, dict(shape=[16, 4], strides=[4, 1], block_shape=[8, 4]),
+                                           ("in", 1)),
+             ("t", ("av", 0, (4, 4), (4, 1), 16)), ("v", 0.5)]
+    fired = []
+    monkeypatch.setattr(L, "fire", lambda bound, grid, args, kwargs: fired.append((bound, grid, args, kwargs)))
+    monkeypatch.setattr(L, "direct", lambda bound, n: None)
+    step = host_plan._FastLaunch("bound", (3, 2), targs, {"n": ("t", ("in", 0))})
+    step(inputs, allocs)
+    (bound, grid, args, kwargs), = fired
+    assert bound == "bound" and grid == (3, 2) and kwargs["n"] is inputs[0]
+    assert args[0] is inputs[0] and args[1] == 7 and args[4] == 0.5
+    assert isinstance(args[2], _Desc) and args[2].base is inputs[1] and args[2].shape == [16, 4]
+    assert args[3].data_ptr() == allocs[0].data_ptr() + 16 * 4 and args[3].shape == (4, 4)
+
+    # the direct form: one descriptor at argument 2 (of 5), a tail of two constexprs
+    calls, encoded = [], []
+
+    def encode(d, meta):
+        encoded.append((d.base.data_ptr(), meta))
+        return ["map", *d.shape, *d.strides]
+
+    monkeypatch.setattr(L, "direct", lambda bound, n: (lambda *a: calls.append(a), "fn", ("head",), (16, True),
+                                                       [(2, "meta2")]))
+    monkeypatch.setattr(L, "encode", encode)
+    monkeypatch.setattr(L, "current_stream", lambda: 99)
+    step = host_plan._FastLaunch("bound", (3,), targs, {})
+    for x in (inputs[1], inputs[1], torch.randn(16, 4)):
+        step([inputs[0], x], allocs)
+    assert len(calls) == 3 and len(encoded) == 2       # the repeated base address: encoded once
+    for c, x in zip(calls, (inputs[1], inputs[1])):
+        assert c[:6] == (3, 1, 1, 99, "fn", "head")
+        assert c[6] is inputs[0] and c[7] == 7 and c[8:13] == ("map", 16, 4, 4, 1) and c[14] == 0.5
+        assert c[13].data_ptr() == allocs[0].data_ptr() + 64 and c[15:] == (16, True)
+    assert encoded[0] == (inputs[1].data_ptr(), "meta2")
+    # a template the direct form cannot take (a descriptor where a plain value stands) falls back to fire
+    monkeypatch.setattr(L, "direct", lambda bound, n: (None, "fn", (), (), [(1, "meta")]))
+    assert host_plan._FastLaunch("bound", (1,), targs, {}).raw is None

@@ -202,3 +202,49 @@ def test_runtime_arguments_by_keyword(fast_path):
     assert len(k.slow) == 3
     calls = [c for comp in k.compiled.values() for c in comp.calls]
     assert sorted(c[9:13] for c in calls) == [(x, y, 48, 0.25), (x, y, 80, 0.125)]
+
+
+def test_direct_launch_expands_arguments_as_triton_does(monkeypatch):
+    """launch.direct (host-plan replays' straight call of the C launcher) on Triton 3.6: the launcher and the
+    descriptor positions read from Triton's own wrap_handle_tensordesc closure, and the final arguments equal what
+    that wrapper passes the C launcher (descriptor encoding stood in for: it needs a GPU). Other releases: None."""
+    import triton
+    from triton.backends.nvidia import driver as D
+
+    got = []
+
+    def c_launcher(*a):
+        got.append(a)
+
+    signature = {"x": "*fp32", "d": "tensordesc<bf16[8, 4]>", "n": "i32", "B": "constexpr"}
+    meta = [dict(swizzle=128, elem_size=2, elem_type=10, block_size=[8, 4], fp4_padded=False)]
+
+    class Run:
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+    class Compiled:
+        run, function, packed_metadata = Run(), "fn", "packed"
+
+    if L._version() != (3, 6):
+        Run.launch = c_launcher
+        assert L.direct(("kernel", (Compiled, (16,))), 3) is None
+        return
+    monkeypatch.setattr(D, "make_tensordesc_arg",
+                        lambda arg, m: [("map", arg.base.data_ptr(), m["swizzle"]), *arg.shape, *arg.strides])
+    Run.launch = D.wrap_handle_tensordesc(c_launcher, signature, meta)
+    x, base = torch.empty(4), torch.empty(16, 4, dtype=torch.bfloat16)
+    desc = _Desc(base, [16, 4], [4, 1], [8, 4])
+    Run.launch(2, 3, 1, 77, "fn", False, True, None, None, "packed", None, None, None, x, desc, 5, 16)   # Triton's way
+    raw, function, head, tail, descs = L.direct(("kernel", (Compiled, (16,))), 3)
+    assert raw is c_launcher and function == "fn" and tail == (16,) and descs == [(1, meta[0])]
+    raw(2, 3, 1, 77, function, *head, x, *L.encode(desc, meta[0]), 5, *tail)                         # ours
+    assert len(got) == 2 and got[0] == got[1]
+    assert got[1][13:] == (x, ("map", base.data_ptr(), 128), 16, 4, 4, 1, 5, 16)
+    Run.global_scratch_size = 64            # scratch to allocate per launch: not this form
+    assert L.direct(("kernel", (Compiled, (16,))), 3) is None
+
+
+class _Desc:
+    def __init__(self, base, shape, strides, block_shape, padding="zero"):
+        self.base, self.shape, self.strides, self.block_shape, self.padding = base, shape, strides, block_shape, padding

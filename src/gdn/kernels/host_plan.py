@@ -380,17 +380,95 @@ class _Plan:
         return _build(self.out, inputs, allocs)
 
     def _launch(self, n, s, inputs, allocs):
-        _, kernel, grid, targs, tkwargs, bound = s
+        _, kernel, grid, targs, tkwargs, fast = s
+        if fast is not None and _launch_mod.fast_ok(kernel):
+            fast(inputs, allocs)
+            return
         args = [_value(a, inputs, allocs) for a in targs]
         kwargs = {k: _value(v, inputs, allocs) for k, v in tkwargs.items()} if tkwargs else {}
-        if bound is None:
+        if fast is None:
             bound = _launch_mod.bind(kernel, args, kwargs)
             if bound is not None:
-                self.steps[n] = s[:5] + (bound,)
-        if bound is None or not _launch_mod.fast_ok(kernel):
-            _launch_mod.launch(kernel, grid, *args, **kwargs)
-        else:
-            _launch_mod.fire(bound, grid, args, kwargs)
+                self.steps[n] = s[:5] + (_FastLaunch(bound, grid, targs, tkwargs),)
+        _launch_mod.launch(kernel, grid, *args, **kwargs)
+
+
+class _FastLaunch:
+    """One launch step of a plan, bound to its compiled kernel (:func:`gdn.kernels.launch.bind`): the argument list
+    with its values in place, so that a replay fills in only this call's tensors and TMA descriptors. Where
+    :func:`gdn.kernels.launch.direct` gives the C launcher (Triton 3.6), the arguments are kept in its expanded
+    form and go to it straight, each descriptor encoded once per base address (a descriptor's other fields are
+    the plan's: the same base address means the same tensor map); elsewhere through ``launch.fire``."""
+
+    __slots__ = ("bound", "grid", "args", "tensors", "descs", "kwargs", "raw")
+    _ENCODED_MAX = 16      # base addresses remembered per descriptor argument
+
+    def __init__(self, bound, grid, targs, tkwargs):
+        self.bound, self.grid, self.kwargs = bound, grid, tkwargs
+        self.raw = None
+        if not any(v[0] != "v" for v in tkwargs.values()) and self._direct(targs):
+            return
+        self.args = [a[1] if a[0] == "v" else None for a in targs]
+        self.tensors = tuple((i, a[1]) for i, a in enumerate(targs) if a[0] == "t")
+        self.descs = tuple((i, a[1], a[2], a[3]) for i, a in enumerate(targs) if a[0] == "d")
+
+    def _direct(self, targs) -> bool:
+        d = _launch_mod.direct(self.bound, len(targs))
+        if d is None:
+            return False
+        raw, function, head, tail, meta = d
+        meta = dict(meta)
+        args, tensors, descs = [], [], []
+        for i, a in enumerate(list(targs) + [("v", x) for x in tail]):
+            if i in meta:       # [tensor map, *shape, *strides]: as many slots as encode() returns
+                if a[0] != "d" or "shape" not in a[2]:
+                    return False
+                width = 1 + 2 * len(a[2]["shape"])
+                descs.append((len(args), width, a[1], a[2], a[3], meta[i], {}))
+                args.extend([None] * width)
+            elif a[0] == "t":
+                tensors.append((len(args), a[1]))
+                args.append(None)
+            elif a[0] == "v":
+                args.append(a[1])
+            else:
+                return False
+        g = tuple(self.grid) + (1,) * (3 - len(self.grid))
+        self.raw = (raw, g[0], g[1], g[2], function, head)
+        self.args, self.tensors, self.descs = args, tuple(tensors), tuple(descs)
+        return True
+
+    def __call__(self, inputs, allocs):
+        args = self.args.copy()
+        for i, t in self.tensors:
+            args[i] = _tensor(t, inputs, allocs)
+        if self.raw is None:
+            for i, typ, fields, t in self.descs:
+                d = object.__new__(typ)
+                d.__dict__.update(fields)
+                d.base = _tensor(t, inputs, allocs)
+                args[i] = d
+            kwargs = {k: _value(v, inputs, allocs) for k, v in self.kwargs.items()} if self.kwargs else {}
+            _launch_mod.fire(self.bound, self.grid, args, kwargs)
+            return
+        for i, width, typ, fields, t, meta, encoded in self.descs:
+            base = _tensor(t, inputs, allocs)
+            ptr = base.data_ptr()
+            e = encoded.get(ptr)
+            if e is None:
+                d = object.__new__(typ)
+                d.__dict__.update(fields)
+                d.base = base
+                e = _launch_mod.encode(d, meta)
+                if len(e) != width:
+                    raise RuntimeError(f"gdn host plan: a TMA descriptor expanded to {len(e)} launcher arguments, "
+                                       f"not {width}")
+                if len(encoded) >= self._ENCODED_MAX:
+                    encoded.clear()
+                encoded[ptr] = e
+            args[i:i + width] = e
+        raw, gx, gy, gz, function, head = self.raw
+        raw(gx, gy, gz, _launch_mod.current_stream(), function, *head, *args)
 
 
 def _contiguous(size, stride) -> bool:

@@ -191,6 +191,46 @@ def fire(bound, grid, args, kwargs) -> None:
                  None, *args, *tail)
 
 
+def direct(bound, nargs: int):
+    """Triton 3.6: the bound kernel's C launcher itself, for callers that pass its final arguments (host-plan
+    replays): ``(raw, function, head, tail, descriptors)`` where a launch is ``raw(gx, gy, gz, stream, function,
+    *head, *expanded)``, ``expanded`` being the kernel's arguments (``nargs`` positional ones, then ``tail``) with
+    each TMA descriptor at position ``p`` of ``descriptors = [(p, metadata)]`` replaced by :func:`encode`'s list.
+    That skips what ``CompiledKernel.run`` adds per launch (scratch checks, the descriptor walk over every argument
+    and each descriptor's encoding). None where the release, the kernel or the arguments do not have that form
+    (another release, global or profile scratch, runtime keywords, a descriptor the compiler did not lower to
+    TMA): :func:`fire` then."""
+    kernel, (compiled, tail) = bound
+    if tail is None or _version() != (3, 6):
+        return None
+    run = compiled.run
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    inner = run.launch
+    code = getattr(inner, "__code__", None)
+    if code is None:        # no descriptor arguments: Triton 3.6 installs the C launcher itself
+        raw, descs = inner, []
+    else:                   # wrap_handle_tensordesc's closure over the C launcher
+        cells = dict(zip(code.co_freevars, inner.__closure__ or ()))
+        if not {"launcher", "tensordesc_indices", "tensordesc_meta"} <= set(cells):
+            return None
+        raw = cells["launcher"].cell_contents
+        idx = sorted(cells["tensordesc_indices"].cell_contents)
+        meta = cells["tensordesc_meta"].cell_contents
+        if len(meta) != len(idx) or any(m is None for m in meta) or (idx and idx[-1] >= nargs):
+            return None
+        descs = list(zip(idx, meta))
+    head = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata, None, None, None)
+    return raw, compiled.function, head, tail, descs
+
+
+def encode(desc, metadata) -> list:
+    """A TMA descriptor argument as Triton 3.6's launcher expands it: [encoded tensor map, *shape, *strides]."""
+    from triton.backends.nvidia.driver import make_tensordesc_arg
+
+    return make_tensordesc_arg(desc, metadata)
+
+
 _RECORDERS: dict = {}   # thread id -> the host-plan recorder of a call running on that thread
 
 
@@ -216,4 +256,4 @@ def current_stream():
     return _raw_stream(torch.cuda.current_device())
 
 
-__all__ = ["launch", "arg_key", "bind", "fire", "fast_ok", "set_recorder", "knobs_key", "current_stream", "VERIFY"]
+__all__ = ["launch", "arg_key", "bind", "fire", "direct", "encode", "fast_ok", "set_recorder", "knobs_key", "current_stream", "VERIFY"]

@@ -102,12 +102,14 @@ class ChunkForward:
     # merge tiles below); segment_fixed_cost: the segmented run's two launches more (host time, ~80 us on the H200
     # machines' CPUs) in the same units (bench/NOTES.md, Kept table 2026-11-26). The segment pass's costs since it
     # is the Gluon pass (H100, 2026-11-27: a step 1.46 us alone on an SM, 2.15 at two per SM, against the plain fused
-    # pass's 1.30; no plan of the modelled rows changes)
+    # pass's 1.30; no plan of the modelled rows changes). Fixed cost 60 -> 20 since host-plan replays launch through
+    # Triton 3.6's C launcher (host_plan._FastLaunch: the forward's host time 0.21-0.23 -> 0.17 ms on an H100 host):
+    # 1x8192 4/8 segmented, 200 -> 124 us of kernels (bench/results/host_direct_launch_h100.json)
     state_sm90_segment_pass_cost: float = 1.12
     state_sm90_segment_pass_cost2: float = 1.65
     state_sm90_wide_step_cost: float = 1.5
     state_sm90_merge_cost: float = 3.0
-    state_sm90_segment_fixed_cost: float = 60.0
+    state_sm90_segment_fixed_cost: float = 20.0
     # sm_90: the segment pass of segmented runs (local states from zero and the transition matrices, one launch) as
     # the Gluon state pass (hopper._state_steps, INIT 3) at V tile state_sm90_segment_BV, instead of the portable one.
     # H100 forward kernel sums (bench/results/fwd_segment_pass_sm90_ab_h100.json): 1x65536 2/8 712 -> 695 us
