@@ -362,11 +362,14 @@ def compile_hopper_fused_pass(BV=32, NS=2, dtype=None, **flags):
                 h_desc=m._desc(torch.empty(4 * HV * K, V, dtype=dt), (K, BV), dn), beta=torch.empty(4, dtype=dt),
                 gcum=f32, rk_in=f32, qf=f32, o=torch.empty(4, dtype=dt), vnew=torch.empty(4, dtype=dt), h0=f32,
                 ht=f32, h0_idx=i32, ht_idx=i32, o_idx=i32, segments=i32, cu_seqlens=i32, chunk_offsets=i32, T=T,
-                P0=3, P1=3, PO=3,
+                P0=3, P1=3, PO=3, scale=0.5,
                 s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3, s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
+    if flags.get("PK"):     # P formed in the kernel: k's descriptor where P's was
+        args["p_desc"] = args["k_desc"]
     cx = dict(H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
               STORE_H=False, STORE_VNEW=False, STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True,
-              NS=NS, OUT_REGS=m.OUTPUT_PARTITION_REGS, LREGS=m.T_LOADER_REGS, TMA_WARP=_load_warp(BV), num_warps=4)
+              NS=NS, OUT_REGS=m.OUTPUT_PARTITION_REGS, LREGS=m.T_LOADER_REGS, TMA_WARP=_load_warp(BV), num_warps=4,
+              PK=False)
     cx.update(flags)
     return compile_gluon(m._chunk_fused_sm90_kernel, args, cx)
 
@@ -518,7 +521,10 @@ FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=
                                                   (1, True, True, False, True))] + \
     [dict(BV=bv, STORE_H=True, STORE_VNEW=True, **f) for bv in (32, 64)
      for f in (dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False))] + \
-    [dict(BV=32, TMA_WARP=False), dict(BV=64, TMA_WARP=True)]    # the other load-warp choice of each tile
+    [dict(BV=32, TMA_WARP=False), dict(BV=64, TMA_WARP=True)] + \
+    [dict(BV=bv, PK=True, USE_L2=l2, **f) for bv in (32, 64) for l2 in (True, False)     # P formed in the kernel
+     for f in (dict(), dict(INIT=1, IS_VARLEN=True, H0_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False,
+                            O_INDEXED=False, STORE_FINAL=False))]
 
 
 FUSED_T_CONFIGS = [dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,

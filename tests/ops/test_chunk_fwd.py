@@ -964,3 +964,39 @@ def test_fused_kernel_keeps_states_when_asked(monkeypatch, fused_states):
         assert aux["v_new"].shape == x.v.shape
     else:
         assert aux["h"] is not None and aux["v_new"] is not None
+
+
+@pytest.mark.parametrize("bv, seg, field, formed", [(64, -1, 64, True), (32, -1, 64, False), (64, 2, 64, False),
+                                                     (64, -1, 0, False)])
+def test_fused_kernel_forms_p_where_the_tuning_says(monkeypatch, bv, seg, field, formed):
+    """chunk_gated_delta_rule_fwd where the fused Hopper kernel takes the final pass (plan and launch emulated,
+    launches recorded): at an unsegmented V tile >= ``chunk_fwd.state_sm90_p_in_kernel_bv`` the prepare gets no q
+    (no P, no qf, no r_q) and the fused launch gets P = qf = None with the call's scale; elsewhere P and qf come from
+    the prepare as before."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import forward, state
+
+    calls, preps = [], []
+    B, T, H, HV, K = 1, 5 * 64 + 3, 2, 4, 64
+    x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
+
+    def plan(q, k, v, ci, s, ckpt, states=False):
+        return bv, state._pass_plan(ci, HV, K, K, q.device, False, seg)[0]
+
+    real_prepare = forward.chunk_fwd_prepare
+
+    def prepare(*a, **kw):
+        preps.append(kw.get("q"))
+        return real_prepare(*a, **kw)
+
+    monkeypatch.setattr(forward, "fused_output_plan", plan)
+    monkeypatch.setattr(forward, "chunk_fwd_prepare", prepare)
+    monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: calls.append((a, kw)))
+    with tuning.override("chunk_fwd", state_sm90_p_in_kernel_bv=field):
+        _, _, aux = forward.chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, 0.125, None, False, None, 64,
+                                                       True, return_states=False)
+    (a, kw), = calls
+    assert (preps[0] is None) == formed and (a[6] is None) == formed and (a[7] is None) == formed
+    assert kw["scale"] == 0.125 and kw["BV"] == bv and (aux["rq"] is None) == formed
+    if not formed:
+        assert a[6].shape == (B, T, HV, 64) and a[7].shape == (B, T, HV)

@@ -77,20 +77,23 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
             return _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, l2, state_layout,
                                       pieces, ci, out)
     rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
+    # unsegmented V tile 64 (chunk_fwd.state_sm90_p_in_kernel_bv): the fused kernel forms P and qf itself, so the
+    # prepare reads no q and writes no P
+    pk = bv_fused in (32, 64) and 0 < int(cfg.state_sm90_p_in_kernel_bv) <= bv_fused and not plan.segmented
     # q's L2 row scalings come out of the prepare kernel where it computes P (the fused kernel): the backward reads
     # them instead of launching l2_rnorm(q)
-    rq = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and bv_fused) else None
+    rq = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and bv_fused and not pk) else None
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
-                             ainv_dtype=a_dtype, rk=rk, q=q if bv_fused else None, scale=scale, rq=rq,
+                             ainv_dtype=a_dtype, rk=rk, q=q if (bv_fused and not pk) else None, scale=scale, rq=rq,
                              keep_w=bool(keep_w and store_ainv and from_ainv and wants_forward_w(q, k, v, ci)))
     g_cum, ainv, w, u = prep[:4]
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     fuse = None
     if bv_fused:
         o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
-        fuse = dict(q=q, p=prep[4], qf=prep[5], o=o, o_idx=state_indices, PO=P, BV=bv_fused, plan=plan,
-                    states=return_states)
+        fuse = dict(q=q, p=None if pk else prep[4], qf=None if pk else prep[5], o=o, o_idx=state_indices, PO=P,
+                    BV=bv_fused, plan=plan, states=return_states, scale=scale)
     h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
                                     use_qk_l2norm_in_kernel, v=v if from_ainv else None,
                                     beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,

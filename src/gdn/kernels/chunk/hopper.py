@@ -292,10 +292,10 @@ if G.AVAILABLE:
 
     @gluon.jit
     def _output_steps(
-        q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx,
+        q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx, gcum, rk_in, scale,
         n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-        O_INDEXED: gl.constexpr,
+        O_INDEXED: gl.constexpr, PK: gl.constexpr, USE_L2: gl.constexpr,
     ):
         """Output partition of the fused kernel (4 warps), chunk by chunk behind the state partition::
 
@@ -303,8 +303,10 @@ if G.AVAILABLE:
 
         with P = causal(scale (r_q r_k^T) Gamma Q K^T) and qf = scale r_q exp(g_cum) from the prepare kernel. q and P
         come by TMA into a 2-deep ring (``q_s`` / ``p_s``, one mbarrier per stage); h_c and v_new_c from the state
-        partition's hand-off slots. Rows past the sequence's end are not stored; a sequence whose pool row is invalid
-        (O_INDEXED) gets zeros, as the output kernel writes."""
+        partition's hand-off slots. PK: P and qf formed here instead (``p_desc`` is then k's descriptor and ``p_s``
+        holds k tiles; Q K^T and, with the L2 norm, Q Q^T for r_q issued before the hand-off is waited for; r_k and
+        g_cum from the prepare kernel). Rows past the sequence's end are not stored; a sequence whose pool row is
+        invalid (O_INDEXED) gets zeros, as the output kernel writes."""
         C: gl.constexpr = 64
         NQ: gl.constexpr = q_s.type.shape[0]
         NH: gl.constexpr = h_s.type.shape[0]
@@ -318,9 +320,13 @@ if G.AVAILABLE:
         if O_INDEXED:
             idx = gl.load(o_idx + n)
             keep = (idx >= 0) & (idx < PO)
-        nbytes: gl.constexpr = (C * K + C * C) * (dt.primitive_bitwidth // 8)
+        if PK:
+            nbytes: gl.constexpr = 2 * C * K * (dt.primitive_bitwidth // 8)
+            col_p = i_h * K
+        else:
+            nbytes: gl.constexpr = (C * K + C * C) * (dt.primitive_bitwidth // 8)
+            col_p = i_hv * C
         col_q = i_h * K
-        col_p = i_hv * C
         for j in gl.static_range(NQ - 1):
             pred = c_beg + j < c_end
             mbarrier.expect(qbars.index(j), nbytes, pred=pred)
@@ -329,6 +335,17 @@ if G.AVAILABLE:
         to = gl.arange(0, C, layout=rows_l)
         ov = i_v * BV + gl.arange(0, BV, layout=gl.SliceLayout(0, mma))
         zero = gl.zeros([C, BV], gl.float32, layout=mma)
+        if PK:      # the [C, C] products Q K^T / Q Q^T and P as the register A operand of P @ v_new
+            mma_p: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, C, 16])
+            prow_l: gl.constexpr = gl.SliceLayout(1, mma_p)
+            dot_p: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+            LOG2E: gl.constexpr = 1.4426950408889634
+            zero_p = gl.zeros([C, C], gl.float32, layout=mma_p)
+            tcol = gl.arange(0, C, layout=gl.SliceLayout(0, mma_p))
+            trow = gl.arange(0, C, layout=prow_l)
+            causal_p = tcol[None, :] <= trow[:, None]
+            diag_p = tcol[None, :] == trow[:, None]
         for c in range(c_beg, c_end):
             it = c - c_beg
             s = it % NQ
@@ -339,14 +356,46 @@ if G.AVAILABLE:
             tma_load(p_desc, [tok0 + bos + (c + NQ - 1) * C, col_p], qbars.index(sf), p_s.index(sf), pred=pred)
             rows = bos + c * C + to
             m = rows < eos
-            f = gl.load(qf + (tok0 + rows) * HV + i_hv, mask=m, other=0.0)
-            mbarrier.wait(qbars.index(s), (it // NQ) & 1)
             slot = it % NH
-            mbarrier.wait(ready.index(slot), (it // NH) & 1)
-            acc = warpgroup_mma(q_s.index(s), h_s.index(slot), zero, use_acc=False, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
-            acc = warpgroup_mma(p_s.index(s), vn_s.index(slot), acc * f[:, None], is_async=True)
-            acc = warpgroup_mma_wait(0, deps=[acc])
+            if PK:
+                # P = causal(scale r_q r_k^T Gamma Q K^T) and qf = scale r_q e^c, as the prepare kernel forms them
+                cols = bos + c * C + tcol
+                mc = cols < eos
+                rows_p = bos + c * C + trow
+                m_p = rows_p < eos
+                c_r = gl.load(gcum + (tok0 + rows_p) * HV + i_hv, mask=m_p, other=0.0)
+                c_c = gl.load(gcum + (tok0 + cols) * HV + i_hv, mask=mc, other=0.0)
+                if USE_L2:
+                    rk_c = gl.load(rk_in + (tok0 + cols) * H + i_h, mask=mc, other=0.0)
+                mbarrier.wait(qbars.index(s), (it // NQ) & 1)
+                qk = warpgroup_mma(q_s.index(s), p_s.index(s).permute((1, 0)), zero_p, use_acc=False, is_async=True)
+                if USE_L2:
+                    qq = warpgroup_mma(q_s.index(s), q_s.index(s).permute((1, 0)), zero_p, use_acc=False,
+                                       is_async=True)
+                    qk, qq = warpgroup_mma_wait(0, deps=[qk, qq])
+                    rq = gl.rsqrt(gl.sum(gl.where(diag_p, qq, 0.0), axis=1) + 1e-6) * scale
+                else:
+                    qk = warpgroup_mma_wait(0, deps=[qk])
+                    rq = gl.full([C], 1.0, gl.float32, layout=prow_l) * scale
+                gam = gl.exp2(gl.where(causal_p & m_p[:, None], (c_r * LOG2E)[:, None] - (c_c * LOG2E)[None, :],
+                                       float("-inf")))
+                if USE_L2:
+                    gam = gam * rk_c[None, :]
+                pa = gl.convert_layout(((qk * gam) * rq[:, None]).to(dt), dot_p)
+                f = gl.convert_layout(rq * gl.exp(c_r), rows_l)     # (rows of both products alike: no data movement)
+                mbarrier.wait(ready.index(slot), (it // NH) & 1)
+                acc = warpgroup_mma(q_s.index(s), h_s.index(slot), zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                acc = warpgroup_mma(pa, vn_s.index(slot), acc * f[:, None], is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+            else:
+                f = gl.load(qf + (tok0 + rows) * HV + i_hv, mask=m, other=0.0)
+                mbarrier.wait(qbars.index(s), (it // NQ) & 1)
+                mbarrier.wait(ready.index(slot), (it // NH) & 1)
+                acc = warpgroup_mma(q_s.index(s), h_s.index(slot), zero, use_acc=False, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
+                acc = warpgroup_mma(p_s.index(s), vn_s.index(slot), acc * f[:, None], is_async=True)
+                acc = warpgroup_mma_wait(0, deps=[acc])
             cta_barrier()
             mbarrier.arrive(free.index(slot), count=1)
             po = o + ((tok0 + rows) * HV + i_hv)[:, None] * V + ov[None, :]
@@ -397,18 +446,20 @@ if G.AVAILABLE:
     def _chunk_fused_sm90_kernel(
         k_desc, v_desc, a_desc, q_desc, p_desc, h_desc,
         beta, gcum, rk_in, qf, o, vnew, h0, ht, h0_idx, ht_idx, o_idx, segments, cu_seqlens, chunk_offsets,
-        T, P0, P1, PO, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+        T, P0, P1, PO, scale, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
         NS: gl.constexpr, OUT_REGS: gl.constexpr, LREGS: gl.constexpr, TMA_WARP: gl.constexpr,
-        num_warps: gl.constexpr,
+        num_warps: gl.constexpr, PK: gl.constexpr = False,
     ):
         """State pass and output in one kernel: per (V tile, value head, segment) a state partition (the default 4
         warps, :func:`_state_steps`) and an output partition (4 more warps, :func:`_output_steps`) that computes the
         output of chunk c while the state partition runs chunk c + 1. STORE_H / STORE_VNEW: the chain also stores
-        h per chunk (TMA, from its hand-off slot) and v_new, as the state pass does (else neither is in memory)."""
+        h per chunk (TMA, from its hand-off slot) and v_new, as the state pass does (else neither is in memory).
+        PK: the output partition forms P and qf itself from q, k (``p_desc`` is k's descriptor), g_cum, r_k and
+        ``scale`` (``qf`` unused)."""
         C: gl.constexpr = 64
         NH: gl.constexpr = 2                # hand-off slots: the chain runs at most one chunk ahead of the output
         i_v = gl.program_id(0)
@@ -426,7 +477,10 @@ if G.AVAILABLE:
         bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         emp = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         q_s = gl.allocate_shared_memory(dt, [2, C, K], q_desc.layout)
-        p_s = gl.allocate_shared_memory(dt, [2, C, C], p_desc.layout)
+        if PK:
+            p_s = gl.allocate_shared_memory(dt, [2, C, K], p_desc.layout)
+        else:
+            p_s = gl.allocate_shared_memory(dt, [2, C, C], p_desc.layout)
         qbars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         h_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([K, BV], dt)
         h_s = gl.allocate_shared_memory(dt, [NH, K, BV], h_layout)
@@ -454,8 +508,9 @@ if G.AVAILABLE:
                                 s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                                 H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW,
                                 STORE_FINAL, HT_BY_SEG, HT_INDEXED, NS, True, True, True)),
-                (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx,
-                                 n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV, O_INDEXED)),
+                (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx, gcum,
+                                 rk_in, scale, n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV,
+                                 O_INDEXED, PK, USE_L2)),
                 (_tma_loader, (k_desc, v_desc, a_desc, k_s, v_s, a_s, bars, emp, i_v, i_hv, i_b, bos, c_beg, c_end,
                                T, H, HV, K, V, BV, NS)),
             ], [4, 1], [OUT_REGS, LREGS])
@@ -467,8 +522,9 @@ if G.AVAILABLE:
                                 s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                                 H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW,
                                 STORE_FINAL, HT_BY_SEG, HT_INDEXED, NS, True, True, False)),
-                (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx,
-                                 n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV, O_INDEXED)),
+                (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx, gcum,
+                                 rk_in, scale, n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV,
+                                 O_INDEXED, PK, USE_L2)),
             ], [4], [OUT_REGS])
 
 
@@ -785,9 +841,10 @@ def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
                       cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
                       H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, h_out=None, vnew=None, chunk_offsets=None,
-                      transposed=False, load_warp=False):
+                      transposed=False, load_warp=False, scale=1.0):
     """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
-    (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs) and the final state;
+    (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs; both None at V
+    tile 32 / 64: the kernel forms them from q, k, g_cum, rk and ``scale``) and the final state;
     h [NT, HV, K, V] (k's dtype, with ``chunk_offsets``) and v_new [B, T, HV, V] only when given. ``o_idx``: the
     pool index whose invalid rows give zero outputs (None: every sequence is valid). Other arguments as
     :func:`launch_state_pass` (ainv mode). ``transposed`` (V tile 128, no h / v_new stores: :func:`transposed_ok`):
@@ -799,7 +856,10 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
     v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
     a_desc = _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
-    p_desc = _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
+    # p None (V tile 32 / 64): the output partition forms P and qf itself from q, k tiles (k's descriptor here)
+    p_desc = _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn) if p is not None else k_desc
+    if p is None and (transposed or rk is None and use_l2):
+        raise ValueError("launch_fused_pass: P formed in the kernel needs V tile 32 / 64 and, with the L2 norm, rk")
     if transposed:
         if not transposed_ok(K, V, BV, h_out, vnew):
             raise ValueError(f"launch_fused_pass: the register-state kernel takes V tile 128 dividing V, K = 128, no "
@@ -817,10 +877,11 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     h_desc = _desc(h_out.view(-1, V), (K, BV), dn) if h_out is not None else q_desc
     launch(_chunk_fused_sm90_kernel, grid,
         k_desc, v_desc, a_desc, q_desc, p_desc, h_desc,
-        beta, g_cum, rk, qf, o, vnew if vnew is not None else o, h0 if h0 is not None else g_cum,
-        ht if ht is not None else g_cum, h0_idx, ht_idx, o_idx if o_idx is not None else h0_idx, segments, cu_seqlens,
-        chunk_offsets if chunk_offsets is not None else segments, T, P0, P1, PO, *s_beta, *s0, *s1,
+        beta, g_cum, rk, qf if qf is not None else g_cum, o, vnew if vnew is not None else o,
+        h0 if h0 is not None else g_cum, ht if ht is not None else g_cum, h0_idx, ht_idx,
+        o_idx if o_idx is not None else h0_idx, segments, cu_seqlens,
+        chunk_offsets if chunk_offsets is not None else segments, T, P0, P1, PO, float(scale), *s_beta, *s0, *s1,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
         H0_INDEXED=H0_INDEXED, STORE_H=h_out is not None, STORE_VNEW=vnew is not None, STORE_FINAL=ht is not None,
         HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, O_INDEXED=o_idx is not None, NS=stages,
-        OUT_REGS=OUTPUT_PARTITION_REGS, LREGS=T_LOADER_REGS, TMA_WARP=bool(load_warp), num_warps=4)
+        OUT_REGS=OUTPUT_PARTITION_REGS, LREGS=T_LOADER_REGS, TMA_WARP=bool(load_warp), num_warps=4, PK=p is None)
