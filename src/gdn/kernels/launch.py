@@ -256,4 +256,5 @@ def current_stream():
     return _raw_stream(torch.cuda.current_device())
 
 
-__all__ = ["launch", "arg_key", "bind", "fire", "direct", "encode", "fast_ok", "set_recorder", "knobs_key", "current_stream", "VERIFY"]
+__all__ = ["launch", "arg_key", "bind", "fire", "direct", "encode", "fast_ok", "set_recorder", "knobs_key",
+           "current_stream", "VERIFY"]
