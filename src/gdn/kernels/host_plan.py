@@ -5,7 +5,9 @@ take, chunk tables, segment and tile plans, tuning lookups, views, descriptors, 
 small training rows host-bound. All of it depends only on what the key below holds, so :func:`planned` runs a call
 normally the first time a key is seen, records the second call (every allocation, fill and kernel launch, with the
 tensors they touch expressed as views of the call's inputs or allocations), and from the third call on replays the
-record: allocate, fill, build the launch arguments and descriptors from this call's tensors, launch, free.
+record: allocate, fill, build the launch arguments and descriptors from this call's tensors, launch, free (a launch
+step keeps its constant arguments in place; on Triton 3.6 it calls the C launcher itself, each TMA descriptor encoded
+once per base address: :class:`_FastLaunch`).
 
 The key of a call: the function, and per argument (walked through tuples, lists, dicts and named tuples) a tensor's
 dtype, shape, strides, device and data pointer modulo 16 (the kernels' alignment specialisation; for integer CPU
