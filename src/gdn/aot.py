@@ -508,7 +508,8 @@ DH_CONFIGS = [dict(BV=bv, **f) for bv in (32, 64)
 HOPPER_CONFIGS = [dict(BV=bv, from_ainv=fa, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=idx, HT_INDEXED=idx,
                        STORE_FINAL=not seg)
                   for bv in (32, 64) for fa in (True, False)
-                  for (init, vl, seg, idx) in ((1, True, False, True), (0, False, False, False), (1, True, True, False))] + \
+                  for (init, vl, seg, idx) in ((1, True, False, True), (0, False, False, False),
+                                               (1, True, True, False))] + \
     [dict(BV=bv, from_ainv=fa, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False, STORE_H=False,
           STORE_VNEW=False, STORE_FINAL=False)    # the segment pass (local states + transitions)
      for bv in (32, 64) for fa in (True, False)]

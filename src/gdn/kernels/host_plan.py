@@ -446,10 +446,7 @@ class _FastLaunch:
             args[i] = _tensor(t, inputs, allocs)
         if self.raw is None:
             for i, typ, fields, t in self.descs:
-                d = object.__new__(typ)
-                d.__dict__.update(fields)
-                d.base = _tensor(t, inputs, allocs)
-                args[i] = d
+                args[i] = _descriptor(typ, fields, _tensor(t, inputs, allocs))
             kwargs = {k: _value(v, inputs, allocs) for k, v in self.kwargs.items()} if self.kwargs else {}
             _launch_mod.fire(self.bound, self.grid, args, kwargs)
             return
@@ -458,10 +455,7 @@ class _FastLaunch:
             ptr = base.data_ptr()
             e = encoded.get(ptr)
             if e is None:
-                d = object.__new__(typ)
-                d.__dict__.update(fields)
-                d.base = base
-                e = _launch_mod.encode(d, meta)
+                e = _launch_mod.encode(_descriptor(typ, fields, base), meta)
                 if len(e) != width:
                     raise RuntimeError(f"gdn host plan: a TMA descriptor expanded to {len(e)} launcher arguments, "
                                        f"not {width}")
@@ -504,9 +498,15 @@ def _value(a, inputs, allocs):
         return a[1]
     if kind == "t":
         return _tensor(a[1], inputs, allocs)
-    d = object.__new__(a[1])
-    d.__dict__.update(a[2])
-    d.base = _tensor(a[3], inputs, allocs)
+    return _descriptor(a[1], a[2], _tensor(a[3], inputs, allocs))
+
+
+def _descriptor(typ, fields, base):
+    """A TMA descriptor of the recorded type and fields (``_Recorder.value``) over this call's ``base`` tensor, built
+    without the type's ``__init__`` (its checks held for the recorded call's equal fields)."""
+    d = object.__new__(typ)
+    d.__dict__.update(fields)
+    d.base = base
     return d
 
 

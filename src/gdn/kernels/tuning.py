@@ -94,13 +94,6 @@ class ChunkForward:
     # its grid fits one wave (state._one_wave_len): no h / v_new in memory there either. H100 A/B in
     # bench/NOTES.md (kernel sums 1x8192 4/8 351 -> 206 us, 8/16 396 -> 341, 1x65536 2/8 1255 -> 1191)
     state_sm90_fused_segmented: bool = True
-    # ... with P and qf formed by its output partition (Q K^T, Q Q^T for r_q, Gamma from g_cum and r_k) instead of
-    # read from the prepare kernel, which then reads no q and writes no P: unsegmented plans at V tile >= this
-    # (0: never; the register-state kernel at 128 always reads P). H100 kernel sums, P read / formed
-    # (bench/results/fwd_p_in_kernel_ab_h100.json): 1x32768 64/64 (V tile 64) 1909 -> 1755 us (prepare 691 -> 458,
-    # fused 1213 -> 1293); at V tile 32 the output partition's extra products outrun the chain: 1x8192 16/32 252 ->
-    # 310, 1x32768 16/32 972 -> 1197; the 2/8 segmented final pass at 64: 665 -> 690
-    state_sm90_p_in_kernel_bv: int = 64
     # ... choosing by a cost model (state._fused_segments) between the plain fused pass over whole sequences (when its
     # grid fits one wave) and the segmented run at V tile 32 or 64 (L chunks per segment, S segments per sequence:
     # L (segment pass step + fused step) + S merge steps, in steps of the plain pass at V tile 32); segmented only
@@ -123,6 +116,14 @@ class ChunkForward:
     # (segment pass 263 -> 250), 1x32768 4/8 384 -> 371, 1x16384 4/8 214 -> 208; V tile 32 loses (373 us at 2/8)
     state_sm90_segment_pass: bool = True
     state_sm90_segment_BV: int = 64
+    # sm_90: the fused state + output kernel (V tile 32 / 64) with P and qf formed by its output partition (Q K^T,
+    # Q Q^T for r_q, Gamma from g_cum and r_k) instead of read from the prepare kernel, which then reads no q and
+    # writes no P: unsegmented plans at V tile >= this
+    # (0: never; the register-state kernel at 128 always reads P). H100 kernel sums, P read / formed
+    # (bench/results/fwd_p_in_kernel_ab_h100.json): 1x32768 64/64 (V tile 64) 1909 -> 1755 us (prepare 691 -> 458,
+    # fused 1213 -> 1293); at V tile 32 the output partition's extra products outrun the chain: 1x8192 16/32 252 ->
+    # 310, 1x32768 16/32 972 -> 1197; the 2/8 segmented final pass at 64: 665 -> 690
+    state_sm90_p_in_kernel_bv: int = 64
     # an inference forward (no pool, no checkpoints, one sequence or a batch of equal ones) of n >= 2 x
     # piece_token_heads token x value heads runs in min(piece_max, n / piece_token_heads) pieces one after the other
     # (forward._forward_in_pieces): one piece's intermediates (Ainv, P: as many bytes as o) in memory at a time. H100,

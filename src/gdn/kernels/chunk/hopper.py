@@ -53,6 +53,19 @@ if G.AVAILABLE:
     fence_async_shared, warpgroup_mma, warpgroup_mma_wait = G.fence_async_shared, G.warpgroup_mma, G.warpgroup_mma_wait
 
     @gluon.jit
+    def _gram_rnorm(gram, diag):
+        """The L2 row scalings 1 / |x_i| (eps 1e-6 under the root) of a tile x from its Gram matrix x x^T (fp32;
+        ``diag`` its diagonal mask); a row vector in the Gram matrix's row layout."""
+        return gl.rsqrt(gl.sum(gl.where(diag, gram, 0.0), axis=1) + 1e-6)
+
+    @gluon.jit
+    def _decay_tile(c_r, c_c, mask):
+        """Gamma[i, j] = exp(c_i - c_j) where ``mask`` (the causal part), else 0, from a chunk's cumulative gates as
+        a row vector ``c_r`` and a column vector ``c_c``: one exp2 per element."""
+        LOG2E: gl.constexpr = 1.4426950408889634
+        return gl.exp2(gl.where(mask, (c_r * LOG2E)[:, None] - (c_c * LOG2E)[None, :], float("-inf")))
+
+    @gluon.jit
     def _state_row(idx, i_s, n, P, BY_SEG: gl.constexpr, INDEXED: gl.constexpr):
         """(row, valid) of a state in a [rows, HV, ...] buffer: segment i_s (BY_SEG) or sequence n, mapped through the
         pool index ``idx`` when INDEXED (negative or >= P: invalid, nothing read or written)."""
@@ -340,7 +353,6 @@ if G.AVAILABLE:
                                                             instr_shape=[16, C, 16])
             prow_l: gl.constexpr = gl.SliceLayout(1, mma_p)
             dot_p: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-            LOG2E: gl.constexpr = 1.4426950408889634
             zero_p = gl.zeros([C, C], gl.float32, layout=mma_p)
             tcol = gl.arange(0, C, layout=gl.SliceLayout(0, mma_p))
             trow = gl.arange(0, C, layout=prow_l)
@@ -373,12 +385,11 @@ if G.AVAILABLE:
                     qq = warpgroup_mma(q_s.index(s), q_s.index(s).permute((1, 0)), zero_p, use_acc=False,
                                        is_async=True)
                     qk, qq = warpgroup_mma_wait(0, deps=[qk, qq])
-                    rq = gl.rsqrt(gl.sum(gl.where(diag_p, qq, 0.0), axis=1) + 1e-6) * scale
+                    rq = _gram_rnorm(qq, diag_p) * scale
                 else:
                     qk = warpgroup_mma_wait(0, deps=[qk])
                     rq = gl.full([C], 1.0, gl.float32, layout=prow_l) * scale
-                gam = gl.exp2(gl.where(causal_p & m_p[:, None], (c_r * LOG2E)[:, None] - (c_c * LOG2E)[None, :],
-                                       float("-inf")))
+                gam = _decay_tile(c_r, c_c, causal_p & m_p[:, None])
                 if USE_L2:
                     gam = gam * rk_c[None, :]
                 pa = gl.convert_layout(((qk * gam) * rq[:, None]).to(dt), dot_p)

@@ -39,8 +39,8 @@ from ..tuning import capability
 from .hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok
 
 if G.AVAILABLE:
-    from .hopper import _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store, \
-        warpgroup_mma, warpgroup_mma_wait
+    from .hopper import _decay_tile, _gram_rnorm, _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, \
+        tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait
 
     _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(G.PUBLIC_REINTERPRET)
 
@@ -286,7 +286,7 @@ if G.AVAILABLE:
         if STORE_P:
             if USE_L2:
                 qq = warpgroup_mma(q_s, q_s.permute((1, 0)), zero, use_acc=False)
-                rq = gl.rsqrt(gl.sum(gl.where(diag, qq, 0.0), axis=1) + 1e-6)
+                rq = _gram_rnorm(qq, diag)
                 if STORE_RQ:
                     gl.store(rq_out + tok_r * H + i_h, rq, mask=m_r & (i_hv % (HV // H) == 0))
                 rq = rq * scale
@@ -299,14 +299,13 @@ if G.AVAILABLE:
         else:
             kk = warpgroup_mma_wait(0, deps=[kk])
         if USE_L2:
-            rk_r = gl.rsqrt(gl.sum(gl.where(diag, kk, 0.0), axis=1) + 1e-6)
+            rk_r = _gram_rnorm(kk, diag)
         else:
             rk_r = gl.full([C], 1.0, gl.float32, layout=rl)
             rk_c = gl.full([C], 1.0, gl.float32, layout=cl)
         if STORE_RK:
             gl.store(rk_out + tok_r * H + i_h, rk_r, mask=m_r & (i_hv % (HV // H) == 0))
         # gam = Gamma diag(r_k): one exp2 per element, 0 above the diagonal; shared by A and P
-        LOG2E: gl.constexpr = 1.4426950408889634
         if USE_L2:   # c and r_k row -> column together: one conversion of the packed [C, 2] pair (2 barriers fewer)
             pair_l: gl.constexpr = gl.join(tc.to(gl.float32), tc.to(gl.float32)).type.layout   # [C, 2] over cl
             c_c, rk_c = gl.split(gl.convert_layout(gl.join(c_r, rk_r), pair_l))
@@ -314,7 +313,7 @@ if G.AVAILABLE:
             rk_c = gl.convert_layout(rk_c, cl)
         else:
             c_c = gl.convert_layout(c_r, cl)
-        gam = gl.exp2(gl.where(causal, (c_r * LOG2E)[:, None] - (c_c * LOG2E)[None, :], float("-inf")))
+        gam = _decay_tile(c_r, c_c, causal)
         gam = gam * rk_c[None, :]
         row_off = (tok_r * HV + i_hv) * C
         if STORE_W:
