@@ -292,12 +292,15 @@ if G.AVAILABLE:
                 rq = rq * scale
             else:
                 rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
+        # (every wait names the shared tiles its products read: the allocator counts a tile dead after its last use
+        # in the IR, an issued product is not one, and a layout conversion's scratch could take the bytes that an
+        # unfinished product still reads: Q K^T came out wrong in random chunks without the L2 norm)
         kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         if STORE_P:
             qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)
             kk = warpgroup_mma_wait(1, deps=[kk])
         else:
-            kk = warpgroup_mma_wait(0, deps=[kk])
+            kk, _ = warpgroup_mma_wait(0, deps=[kk, k_s])
         if USE_L2:
             rk_r = _gram_rnorm(kk, diag)
         else:
@@ -321,7 +324,7 @@ if G.AVAILABLE:
             fw_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             fw_s.store(b_r * gl.exp(c_r) * rk_r)
         if STORE_P:
-            qk = warpgroup_mma_wait(0, deps=[qk])
+            qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_s, k_s])
             att = (qk * gam) * rq[:, None]
             p_st = gl.allocate_shared_memory(dt, [C, C], p_desc.layout)
             _store_chunk_tile(p_desc, p_st, p_out, att.to(dt), tok0 + t0, i_hv * C, row_off, nv, C, num_warps)
