@@ -9,7 +9,9 @@ num_warps / num_stages / maxnreg; nothing runs, outputs stay unwritten). The lau
 norm tiles, SM counts) see an H200 (:data:`_GPU_CHOICES`); segmented state passes are forced by their environment
 switches in a second scenario. Scenarios: :func:`_scenarios` (production head sizes K = V = 128 with GVA, both state
 layouts and dtypes, pools, varlen, the decode and recurrent configurations of every batch-size regime, fwd + bwd).
-Identical signatures compile once (the JIT's cache; ``TRITON_CACHE_DIR`` keeps them across runs).
+Identical signatures compile once (the JIT's cache; ``TRITON_CACHE_DIR`` keeps them across runs). The Gluon Hopper
+builds are also checked for their warp-specialized register split (:func:`register_pool_problem`) and for shared
+memory placed on tiles an unfinished asynchronous product reads (:func:`async_operand_problem`).
 """
 from __future__ import annotations
 
@@ -569,6 +571,109 @@ def register_pool_problem(compiled, worker_regs) -> str:
     return ""
 
 
+_ELEM_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i64": 8, "i32": 4, "i8": 1, "i1": 1}
+SCRATCH_REACH = 4096    # bytes from its offset that a scratch buffer of unknown size is taken to cover
+
+
+def _allocated_ttgir(compiled):
+    """The kernel's TTGIR after Triton's shared-memory allocation (every ``local_alloc`` and scratch-using op
+    carries ``allocation.offset``), as text; None where this Triton's pass API differs from 3.6-3.9's."""
+    import tempfile
+
+    try:
+        from triton._C.libtriton import ir, nvidia, passes
+
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        nvidia.load_dialects(ctx)
+        with tempfile.NamedTemporaryFile("w", suffix=".ttgir", delete=False) as f:
+            f.write(compiled.asm["ttgir"])
+        try:
+            mod = ir.parse_mlir_module(f.name, ctx)
+        finally:
+            os.unlink(f.name)
+        mod.context = ctx
+        pm = ir.pass_manager(ctx)
+        passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+        passes.ttgpuir.add_allocate_warp_groups(pm)
+        passes.convert.add_scf_to_cf(pm)
+        passes.gluon.add_inliner(pm)
+        nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, 90, int(getattr(compiled.metadata, "ptx_version",
+                                                                                  None) or 85))
+        pm.run(mod, "gdn.aot")
+        return str(mod)
+    except (ImportError, AttributeError, TypeError):
+        return None
+
+
+def async_operand_problem(compiled) -> "str | None":
+    """'' when no shared-memory buffer is placed on a tile that an asynchronous warpgroup product still reads, else
+    the first such placement; None where the allocated IR is not available (:func:`_allocated_ttgir`). The hazard:
+    Gluon's allocator counts a tile dead at its last use in the IR, an issued ``warpgroup_mma(is_async=True)`` is
+    not a use after it, so a layout conversion's scratch (or a new buffer) between the issue and the wait that
+    completes it may take the tile's bytes (the sm_90 prepare and parts kernels had this race; bench/NOTES.md,
+    fifteenth session). The remedy: name the tiles in the wait's ``deps``. Read in program order (a wait with
+    ``pendings = p`` completes a product followed by at least p others); where the IR gives no scratch size (Triton
+    3.6) a scratch starting up to :data:`SCRATCH_REACH` bytes below a tile counts as on it."""
+    text = _allocated_ttgir(compiled)
+    return None if text is None else async_operand_race(text)
+
+
+def async_operand_race(text: str) -> str:
+    """:func:`async_operand_problem` on the text of an allocated TTGIR module."""
+    import re
+
+    tiles, root, events = {}, {}, []
+    for line in text.splitlines():
+        m = re.match(r"\s*(%[\w.#]+)(?::\d+)? = ttg\.local_alloc.*allocation\.offset = (\d+).*"
+                     r"-> !ttg\.memdesc<([\dx]+)x(\w+),", line)
+        if m:
+            name, off, shape, elem = m.groups()
+            size = _ELEM_BYTES.get(elem, 8)
+            for d in shape.split("x"):
+                size *= int(d)
+            tiles[name] = (int(off), size)
+            events.append(("place", int(off), size, line.strip()))
+            continue
+        m = re.match(r"\s*(%[\w.#]+) = ttg\.memdesc_\w+ (%[\w.#]+)", line)
+        if m:
+            root[m.group(1)] = root.get(m.group(2), m.group(2))
+            continue
+        m = re.match(r"\s*(%[\w.#]+) = ttng\.warp_group_dot (%[\w.#]+), (%[\w.#]+),.*isAsync = true", line)
+        if m:
+            events.append(("dot", m.group(1), [root.get(x, x) for x in m.group(2, 3)]))
+            continue
+        if "ttng.warp_group_dot_wait" in line:
+            events.append(("wait", int(re.search(r"pendings = (\d+)", line).group(1))))
+            continue
+        m = re.search(r"allocation\.offset = (\d+)", line)
+        if m:
+            sz = re.search(r"allocation\.size = (\d+)", line)       # (Triton 3.9; 3.6 does not say)
+            events.append(("place", int(m.group(1)), int(sz.group(1)) if sz else None, line.strip()))
+    for i, ev in enumerate(events):
+        if ev[0] != "dot":
+            continue
+        later, end = 0, len(events)
+        for j in range(i + 1, len(events)):
+            if events[j][0] == "dot":
+                later += 1
+            elif events[j][0] == "wait" and later >= events[j][1]:
+                end = j
+                break
+        for t in ev[2]:
+            if t not in tiles:
+                continue        # a register operand
+            lo, size = tiles[t]
+            for j in range(i + 1, end):
+                if events[j][0] != "place":
+                    continue
+                off, sz = events[j][1], events[j][2]
+                if off < lo + size and off + (sz if sz is not None else SCRATCH_REACH) > lo:
+                    return (f"the product {ev[1]} reads {t} (bytes {lo}..{lo + size}) while {events[j][3][:80]!r} "
+                            f"is placed at {off}: name {t} in its wait's deps")
+    return ""
+
+
 def _compile_hopper() -> int:
     from .kernels import _gluon_api
     from .kernels.chunk import hopper as m
@@ -576,7 +681,7 @@ def _compile_hopper() -> int:
     if not _gluon_api.AVAILABLE:
         print("gdn.aot: hopper: Gluon not available in this Triton (the portable kernels run instead)", flush=True)
         return 0
-    bad = 0
+    bad = unchecked = 0
     builds = [("state pass", compile_hopper_state_pass, c) for c in HOPPER_CONFIGS]
     builds += [("fused pass", compile_hopper_fused_pass, c) for c in FUSED_CONFIGS]
     builds += [("register-state fused pass", compile_hopper_fused_t_pass, c) for c in FUSED_T_CONFIGS]
@@ -595,6 +700,11 @@ def _compile_hopper() -> int:
             why = register_pool_problem(compiled, workers) if workers else ""
             if why:
                 raise RuntimeError(f"partition registers: {why}")
+            why = async_operand_problem(compiled)
+            if why is None:
+                unchecked += 1
+            elif why:
+                raise RuntimeError(f"shared-memory race: {why}")
         except Exception as e:  # noqa: BLE001 - reported, counted
             bad += 1
             cause = e
@@ -604,6 +714,8 @@ def _compile_hopper() -> int:
     total = len(builds)
     print(f"gdn.aot: hopper: {total - bad} of {total} state-pass, fused, reverse-pass, parts and prepare "
           "configurations compile", flush=True)
+    print(f"gdn.aot: hopper: async product operands checked in {total - unchecked} of {total} builds"
+          + (" (this Triton's allocation passes are not the ones read here)" if unchecked else ""), flush=True)
     return 1 if bad else 0
 
 def main(argv=None) -> int:
