@@ -50,16 +50,16 @@ def chunk_varlen(device):
 
 @register
 def chunk_batched_no_l2(device):
-    """Batched input without the L2 norm against float64: fp32, and on a GPU also bf16 at B = 8 (on Hopper the
-    register-state kernel: past one wave of the fused one)."""
+    """Batched input without the L2 norm against float64: fp32, and on a GPU also bf16 at B = 1 and B = 8 (on Hopper
+    the fused kernel at V tile 32 with P from the prepare, and the register-state kernel past one wave of it)."""
     s = _shapes(device)
     out = []
-    for B, dtype in ((2, torch.float32), (8, torch.bfloat16))[:2 if device.type == "cuda" else 1]:
+    for B, dtype in ((2, torch.float32), (8, torch.bfloat16), (1, torch.bfloat16))[:3 if device.type == "cuda" else 1]:
         T = s["lens"][-1] if device.type == "cuda" else 70
         x = make_inputs(B, T, s["H"], s["HV"], s["K"], s["V"], dtype=dtype, device=device, normalize_qk=True)
         o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, output_final_state=True)
         ro, rht = _ref(x, l2=False)
-        name = f"batched {str(dtype)[6:]} no-l2" + ("" if B == 2 else f" B={B}")
+        name = f"batched {str(dtype)[6:]} no-l2" + ("" if dtype == torch.float32 else f" B={B}")
         out += [Result("chunk", name + " o", rel_err(o, ro), TOL[dtype]),
                 Result("chunk", name + " state", rel_err(ht, rht), TOL[dtype])]
     return out
