@@ -292,9 +292,8 @@ if G.AVAILABLE:
                 rq = rq * scale
             else:
                 rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
-        # (every wait names the shared tiles its products read: the allocator counts a tile dead after its last use
-        # in the IR, an issued product is not one, and a layout conversion's scratch could take the bytes that an
-        # unfinished product still reads: Q K^T came out wrong in random chunks without the L2 norm)
+        # (each wait names the shared tiles its products read, or a layout conversion's scratch may take their bytes
+        # before the product is done: Q K^T came out wrong without the L2 norm; gdn.aot.async_operand_problem)
         kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         if STORE_P:
             qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)

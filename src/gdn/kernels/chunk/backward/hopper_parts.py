@@ -218,9 +218,8 @@ if G.AVAILABLE:
         a_s.store((dpm * _vec(rv_s, 2, cc)[None, :]).to(dt))
         fence_async_shared()
         cta_barrier()
-        # (a wait names the shared tiles its products read where nothing later keeps them live: the allocator counts a
-        # tile dead at its last use in the IR, an issued product is not one, and reduction / conversion scratch was
-        # placed on do_s / dvn_s while products still read them; bench/NOTES.md, fifteenth session)
+        # (a wait names the shared tiles its products read where nothing later keeps them live, or reduction /
+        # conversion scratch may take their bytes before the product is done; gdn.aot.async_operand_problem)
         dqs, dpmt, _ = warpgroup_mma_wait(0, deps=[t_dqs, t_pt, do_s])
         eg_d = gl.exp(_vec(rv_s, 0, rd))
         dqs = dqs * eg_d[:, None]
