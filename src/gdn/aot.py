@@ -519,7 +519,7 @@ HOPPER_CONFIGS = [dict(BV=bv, from_ainv=fa, INIT=init, IS_VARLEN=vl, H0_BY_SEG=s
 
 FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=idx, HT_INDEXED=idx, O_INDEXED=idx,
                       STORE_FINAL=not seg, USE_L2=l2)
-                 for bv in (32, 64)
+                 for bv in (16, 32, 64)      # 16: few-head inference forwards (chunk_fwd.state_sm90_narrow_bv)
                  for (init, vl, seg, idx, l2) in ((1, True, False, True, True), (0, False, False, False, False),
                                                   (1, True, True, False, True))] + \
     [dict(BV=bv, STORE_H=True, STORE_VNEW=True, **f) for bv in (32, 64)

@@ -329,10 +329,15 @@ def test_fused_forward_segments_by_the_cost_model(monkeypatch, T, HV, want):
     (4, 4096, 16, 32, True, 64),     # the caller keeps h / v_new: the hand-off kernel at V tile 64
     (1, 8192, 16, 32, False, 32),    # one wave at V tile 32
     (1, 32768, 64, 64, False, 64),   # one wave at V tile 64
+    (1, 8192, 8, 16, False, 16),     # few heads: 128 CTAs at V tile 16 (chunk_fwd.state_sm90_narrow_bv)
+    (1, 32768, 8, 16, False, 16),
+    (1, 8192, 8, 16, True, 32),      # the caller keeps h / v_new: not narrowed
+    (2, 8192, 8, 16, False, 32),     # 256 CTAs at 16: past one wave
 ])
 def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
     """The fused forward's V tile (state._fused_output_plan) on a 132-SM sm_90 (emulated): the narrowest tile whose
-    grid fits one wave, else the register-state kernel at 128 where no h / v_new is kept, else 64."""
+    grid fits one wave (16 only for inference forwards), else the register-state kernel at 128 where no h / v_new is
+    kept, else 64."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import hopper, plan as plan_mod, state
     from gdn.kernels.chunk.plan import prepare_chunk_indices
@@ -340,7 +345,7 @@ def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
     for m in (state, plan_mod):
         monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
     monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
-    monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (32, 64))
+    monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (16, 32, 64))
     dev = torch.device("cpu")
     q = torch.empty(B, T, H, 128, dtype=torch.bfloat16)
     v = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
@@ -350,6 +355,9 @@ def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
     with tuning.override("chunk_fwd", state_sm90_fused_t=False):
         bv, _ = state._fused_output_plan(q, q, v, ci, None, False, tuning.chunk_fwd(dev), states)
         assert bv == (64 if want == 128 else want)
+    with tuning.override("chunk_fwd", state_sm90_narrow_bv=0):
+        bv, _ = state._fused_output_plan(q, q, v, ci, None, False, tuning.chunk_fwd(dev), states)
+        assert bv == (32 if want == 16 else want)
 
 
 @pytest.mark.parametrize("form", ["one sequence", "varlen one sequence", "batch"])

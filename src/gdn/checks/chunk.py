@@ -144,7 +144,7 @@ def chunk_sm90_vs_portable(device):
     """Hopper only: the Gluon state pass (gdn.kernels.chunk.hopper) and the fused state + output kernel storing h /
     v_new (``chunk_fwd.state_sm90_fused_states``) against the portable Triton pass on the same inputs (h per chunk,
     v_new, o, final state; pools with a padding row, k_last, varlen, segments), and the fused kernel without h / v_new
-    (V tiles 64 and 32: o and the final states) against the same portable run."""
+    (V tiles 128, 64, 32 and 16: o and the final states) against the same portable run."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
     from ..kernels.chunk import chunk_gated_delta_rule_fwd
@@ -185,7 +185,7 @@ def chunk_sm90_vs_portable(device):
                     Result("chunk", name + " v_new", rel_err(r[2], res[0][2]), 4e-3),
                     Result("chunk", name + " o", rel_err(r[0], res[0][0]), 4e-3),
                     Result("chunk", name + " final state", rel_err(p, pools[0]), 4e-3)]
-        for bv in (128, 64, 32):     # 128: the register-state kernel (hopper._chunk_fused_t_sm90_kernel)
+        for bv in (128, 64, 32, 16):     # 128: the register-state kernel (hopper._chunk_fused_t_sm90_kernel)
             pool = pool0.clone()
             with override("chunk_fwd", state_sm90_BV=bv, segment_chunks=seg):
                 o, _, aux = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, s["K"] ** -0.5, pool, True, cu,
@@ -235,9 +235,10 @@ def chunk_sm90_segment_pass(device):
 
 @register
 def chunk_sm90_target_shapes(device):
-    """Hopper only: the five prefill target shapes (bf16, K = V = 128, L2 norm, final state, varlen B = 1) on the
-    default path (Gluon state pass) against the portable path on the whole sequence, and against float64 on a prefix
-    of every sequence (causal: the first tokens' outputs do not depend on the rest)."""
+    """Hopper only: the five prefill target shapes and the TP2 shard 1x8192 8/16 (its fused pass at V tile 16)
+    (bf16, K = V = 128, L2 norm, final state, varlen B = 1) on the default path (Gluon state pass) against the
+    portable path on the whole sequence, and against float64 on a prefix of every sequence (causal: the first tokens'
+    outputs do not depend on the rest)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
     from ..kernels.tuning import override
@@ -245,7 +246,7 @@ def chunk_sm90_target_shapes(device):
     out = []
     prefix = 256
     for N, L, H, HV in ((1, 8192, 16, 32), (1, 32768, 16, 32), (4, 4096, 16, 32), (1, 65536, 2, 8),
-                        (1, 32768, 64, 64)):
+                        (1, 32768, 64, 64), (1, 8192, 8, 16)):
         T = N * L
         bf = dict(device=device, dtype=torch.bfloat16)
         x = GDNInputs(torch.randn(1, T, H, 128, **bf), torch.randn(1, T, H, 128, **bf), torch.randn(1, T, HV, 128, **bf),

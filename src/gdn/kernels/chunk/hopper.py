@@ -844,9 +844,9 @@ def transposed_ok(K: int, V: int, BV: int, h_out, vnew) -> bool:
 
 def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
     """Whether the fused state + output kernel can take a launch that the state pass (``supported``) takes in ainv
-    mode: q laid out like k (2-D TMA view) and V tile 32 or 64 (shared memory of the two partitions: ~140 KB at BV 32,
-    ~180 KB at BV 64, K = 128); V tile 128 is the register-state kernel's (:func:`transposed_ok`)."""
-    return G.AVAILABLE and q.dtype == k.dtype and q.shape == k.shape and BV in (32, 64) and _rows2d_ok(q)
+    mode: q laid out like k (2-D TMA view) and V tile 16, 32 or 64 (shared memory of the two partitions: ~120 KB at
+    BV 16, ~140 KB at 32, ~180 KB at 64, K = 128); V tile 128 is the register-state kernel's (:func:`transposed_ok`)."""
+    return G.AVAILABLE and q.dtype == k.dtype and q.shape == k.shape and BV in (16, 32, 64) and _rows2d_ok(q)
 
 
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
