@@ -275,6 +275,22 @@ def test_json_roundtrip_without_nan(tmp_path):
     assert report.result_stem("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
 
 
+def test_device_time_speedups():
+    """``<impl>_device_ms`` -> ``speedup_vs_<peer>_device`` (peer / gdn), its table column and summary part."""
+    rows = _synthetic_rows()
+    row = runners.new_row(C.Case("chunk_fwd", "qwen3next-tp2", 1, 8192, 8, 16, state_dtype="fp32"))
+    row.update(gdn_ms=0.30, flashinfer_ms=0.24, gdn_device_ms=0.18, flashinfer_device_ms=0.19, gdn_err=3e-3)
+    row = report.finalize_row(row, 4270.0, 790.0)
+    assert row["speedup_vs_flashinfer"] == pytest.approx(0.8)
+    assert row["speedup_vs_flashinfer_device"] == pytest.approx(0.19 / 0.18) and row["speedup_vs_fla_device"] is None
+    assert rows[1]["speedup_vs_flashinfer_device"] is None          # no device times: no device speedup
+    text = report.format_table(rows + [row])
+    head = text.splitlines()[0].split("  ")
+    assert "x fi dev" in [h.strip() for h in head]
+    assert "1.06" in [l for l in text.splitlines() if "qwen3next-tp2" in l][0]
+    assert "xfi 1.06 on the device" in "\n".join(report.summary_lines(rows + [row]))
+
+
 def test_table_and_summary():
     rows = _synthetic_rows()
     text = report.format_table(rows)
@@ -390,6 +406,9 @@ def test_chunk_runners(fakes):
     row = runners.run_case(_case("chunk_fwd", 2, 40, "fp32"), _ctx())
     _check_row(row, ["gdn", "fla", "flashinfer"])
     assert row["gdn_vs_fla"] == 0.0 and row["gdn_vs_flashinfer"] < 1e-2   # bf16 rounding apart
+    # the eager-timed chunk rows also carry a device time per implementation (the host timer's stand-in here)
+    for name in ("gdn", "fla", "flashinfer"):
+        assert row[f"{name}_device_ms"] > 0 and "device_spread" in row["timing"][name]
     assert "first 24 tokens" in row["err_what"]
     row = runners.run_case(_case("chunk_fwd_bwd", 1, 40, "fp32"), _ctx())
     _check_row(row, ["gdn", "fla"])

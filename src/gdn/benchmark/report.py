@@ -11,7 +11,9 @@ One row per measurement; the fields every row has are ``ROW_FIELDS`` (null where
   ``seqlen``, ``H``, ``HV``, ``K``, ``V``, ``state_dtype``, ``dtype``, ``hidden``, ``key``;
 - times: ``gdn_ms``, ``fla_ms``, ``flashinfer_ms`` (median per call), ``speedup_vs_fla`` and
   ``speedup_vs_flashinfer`` (peer time / gdn time: above 1, gdn is faster), ``timing`` (per implementation: graph or
-  eager, spread, samples), ``n_sets`` (buffer sets rotated);
+  eager, spread, samples), ``n_sets`` (buffer sets rotated); for the eager-timed chunk_fwd, chunk_fwd_bwd and layer
+  rows also ``<impl>_device_ms`` (device time per call with the host kept ahead: what the call costs the GPU,
+  whatever the host's speed) and ``speedup_vs_<peer>_device``;
 - the floors: ``bytes``, ``flops``, ``mem_floor_ms`` (bytes / copy bandwidth), ``compute_floor_ms`` (FLOPs / bf16
   matrix rate), ``bound`` (the larger), ``frac_of_copy_bw`` and ``frac_of_matmul`` (floor / gdn time: the fraction of
   each limit gdn reaches), ``frac_of_limit`` (the larger floor over gdn time), and per peer ``<peer>_frac_of_limit``;
@@ -36,6 +38,7 @@ PEER_NAMES = ("fla", "flashinfer")
 ROW_FIELDS = (
     "op", "model", "batch", "seqlen", "H", "HV", "K", "V", "state_dtype", "dtype", "hidden", "key",
     "gdn_ms", "fla_ms", "flashinfer_ms", "speedup_vs_fla", "speedup_vs_flashinfer",
+    "gdn_device_ms", "fla_device_ms", "flashinfer_device_ms", "speedup_vs_fla_device", "speedup_vs_flashinfer_device",
     "bytes", "flops", "mem_floor_ms", "compute_floor_ms", "bound", "frac_of_copy_bw", "frac_of_matmul",
     "frac_of_limit", "fla_frac_of_limit", "flashinfer_frac_of_limit",
     "gdn_err", "fla_err", "flashinfer_err", "err_what", "err_detail", "gdn_vs_fla", "gdn_vs_flashinfer",
@@ -74,6 +77,8 @@ def finalize_row(row: dict, copy_GBps: Optional[float], bf16_TFLOPs: Optional[fl
             pf = floors_ms(case, copy_GBps or 0.0, bf16_TFLOPs or 0.0, variant="fla_recurrent")
             pfloor = max([f for f in (pf["mem_floor_ms"], pf["compute_floor_ms"]) if f is not None], default=None)
         row[f"{peer}_frac_of_limit"] = pfloor / t if t and pfloor is not None else None
+        gd, td = _num(row.get("gdn_device_ms")), _num(row.get(f"{peer}_device_ms"))
+        row[f"speedup_vs_{peer}_device"] = td / gd if td and gd else None
     for f in ROW_FIELDS:
         row.setdefault(f, None)
     return row
@@ -152,8 +157,8 @@ def _why(row: dict) -> str:
     return "; ".join(parts)
 
 
-TABLE_COLS = ("op", "model", "shape", "state", "gdn ms", "fla ms", "fi ms", "x fla", "x fi", "lim%", "bound",
-              "gdn err", "fla err", "fi err", "note")
+TABLE_COLS = ("op", "model", "shape", "state", "gdn ms", "fla ms", "fi ms", "x fla", "x fi", "x fi dev", "lim%",
+              "bound", "gdn err", "fla err", "fi err", "note")
 
 
 def by_op(rows: Iterable[dict]) -> List[dict]:
@@ -171,6 +176,7 @@ def table_rows(rows: Iterable[dict]) -> List[List[str]]:
             str(r.get("op")), str(r.get("model")), shape, r.get("state_dtype") or "-",
             _ms(r.get("gdn_ms")), _ms(r.get("fla_ms")), _ms(r.get("flashinfer_ms")),
             _f(r.get("speedup_vs_fla"), ".2f"), _f(r.get("speedup_vs_flashinfer"), ".2f"),
+            _f(r.get("speedup_vs_flashinfer_device"), ".2f"),
             _f(None if r.get("frac_of_limit") is None else 100 * r["frac_of_limit"], ".0f"),
             (r.get("bound") or "-")[:3], _f(r.get("gdn_err"), ".1e"), _f(r.get("fla_err"), ".1e"),
             _f(r.get("flashinfer_err"), ".1e"), _why(r),
@@ -182,7 +188,7 @@ def format_table(rows: Iterable[dict], cols=TABLE_COLS) -> str:
     body = table_rows(rows)
     widths = [max([len(c)] + [len(b[i]) for b in body]) for i, c in enumerate(cols)]
     widths[-1] = len(cols[-1])   # the note column is not padded
-    left = {0, 1, 2, 3, 10, len(cols) - 1}
+    left = {0, 1, 2, 3, cols.index("bound"), len(cols) - 1}
 
     def line(cells):
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -206,6 +212,9 @@ def summary_lines(rows: List[dict]) -> List[str]:
             if gm is not None:
                 n = sum(1 for r in rs if _num(r.get(f"speedup_vs_{peer}")))
                 parts.append(f"x{short} {gm:.2f} (geomean of {n})")
+            gd = geomean(r.get(f"speedup_vs_{peer}_device") for r in rs)
+            if gd is not None:
+                parts.append(f"x{short} {gd:.2f} on the device")
         fr = sorted(r["frac_of_limit"] for r in timed if _num(r.get("frac_of_limit")))
         if fr:
             parts.append(f"limit {100 * fr[len(fr) // 2]:.0f}% median")

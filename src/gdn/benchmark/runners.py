@@ -154,6 +154,7 @@ def _raw_gate_params(HV, device):
 
 
 PEAK_OPS = ("chunk_fwd", "chunk_fwd_bwd", "layer")   # ops whose rows carry <impl>_peak_MB
+DEVICE_TIME_OPS = PEAK_OPS      # eager-timed ops whose rows also carry <impl>_device_ms (the host kept ahead)
 
 
 def peak_extra_mb(run: Callable[[int], object], device) -> Optional[float]:
@@ -200,6 +201,10 @@ def measure(row: dict, impls: List[Impl], n_sets: int, ctx: Ctx) -> dict:
                     row[f"{name}_peak_MB"] = peak_extra_mb(impl.run, ctx.device)
                 row["timing"][name] = {"mode": t.mode, "spread": t.spread, "samples": t.samples,
                                        "calls_per_sample": t.calls_per_sample}
+                if row.get("op") in DEVICE_TIME_OPS and not t.mode.startswith("graph"):
+                    d = ctx.timer.device_time(impl.run, n_sets)
+                    row[f"{name}_device_ms"] = d.median_ms
+                    row["timing"][name]["device_spread"] = d.spread
                 if impl.output is not None:
                     outputs[name] = impl.output()
             if impl.note:

@@ -81,6 +81,7 @@ class CudaTimer:
         self.target_ms = target_s * 1e3
         self.min_samples = min_samples
         self.max_samples = max_samples
+        self._sleep_cycles_per_ms = None
 
     # -- helpers -------------------------------------------------------------------------------------------------------
     def _sync(self):
@@ -143,6 +144,47 @@ class CudaTimer:
         med, p20, p80 = _quantiles([r / calls for r in raw])
         return Timing(med, p20, p80, len(raw), calls, "eager")
 
+    def device_time(self, fn: Callable[[int], object], n_sets: int = 1) -> Timing:
+        """Median device time per call of ``fn`` with the host kept ahead of the GPU: each sample is enqueued behind a
+        ``torch.cuda._sleep`` that outlasts the host's enqueueing of it, so the gaps between its kernels are the
+        GPU's own. An eager sample of a short call on a slow host times the host instead (bench/NOTES.md, sixteenth
+        session: FlashInfer's TP2 prefill 0.24 ms eager, 0.19 on the device). Re-taken when noisy."""
+        return retime_noisy(lambda: self._device_once(fn, n_sets))
+
+    def _cycles_per_ms(self) -> float:
+        if self._sleep_cycles_per_ms is None:
+            cycles = 20_000_000
+            torch.cuda._sleep(1000)
+            self._sleep_cycles_per_ms = cycles / max(self._event_ms(lambda: torch.cuda._sleep(cycles)), 1e-3)
+        return self._sleep_cycles_per_ms
+
+    def _device_once(self, fn, n_sets) -> Timing:
+        run = self._pass(fn, n_sets)
+        run()                                          # warm-up
+        self._sync()
+        host = []
+        for _ in range(2):                             # host time to enqueue one pass (the GPU idle: no back-pressure)
+            t0 = time.perf_counter()
+            run()
+            host.append((time.perf_counter() - t0) * 1e3)
+            self._sync()
+        ms_pass = self._event_ms(run)
+        passes = max(1, math.ceil(MIN_SAMPLE_MS / max(ms_pass, 1e-4)))
+        ahead_ms = 1.5 * min(host) * passes + 0.05
+        sleep = int(self._cycles_per_ms() * ahead_ms)
+        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+               for _ in range(self._n_samples(ms_pass * passes + ahead_ms))]
+        launch = self._pass(fn, n_sets, passes)
+        for a, b in evs:
+            torch.cuda._sleep(sleep)
+            a.record()
+            launch()
+            b.record()
+        self._sync()
+        calls = passes * n_sets
+        med, p20, p80 = _quantiles([a.elapsed_time(b) / calls for a, b in evs])
+        return Timing(med, p20, p80, len(evs), calls, "device")
+
     def _graph(self, fn, n_sets) -> Timing:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -185,6 +227,9 @@ class HostTimer:
             raw.append((time.perf_counter() - t0) * 1e3 / n_sets)
         med, p20, p80 = _quantiles(raw)
         return Timing(med, p20, p80, len(raw), n_sets, "host")
+
+    def device_time(self, fn, n_sets: int = 1) -> Timing:
+        return self.time(fn, n_sets)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
