@@ -333,6 +333,7 @@ def test_fused_forward_segments_by_the_cost_model(monkeypatch, T, HV, want):
     (1, 32768, 8, 16, False, 16),
     (1, 8192, 8, 16, True, 32),      # the caller keeps h / v_new: not narrowed
     (2, 8192, 8, 16, False, 32),     # 256 CTAs at 16: past one wave
+    (1, 8192, 8, 16, False, (64, 32)),   # K = 64: the V tile 16 build is not checked there, so 32
 ])
 def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
     """The fused forward's V tile (state._fused_output_plan) on a 132-SM sm_90 (emulated): the narrowest tile whose
@@ -347,7 +348,8 @@ def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
     monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
     monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (16, 32, 64))
     dev = torch.device("cpu")
-    q = torch.empty(B, T, H, 128, dtype=torch.bfloat16)
+    K, want = want if isinstance(want, tuple) else (128, want)
+    q = torch.empty(B, T, H, K, dtype=torch.bfloat16)
     v = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
     ci = prepare_chunk_indices(None, T, 64, B, device=dev)
     bv, plan = state._fused_output_plan(q, q, v, ci, None, False, tuning.chunk_fwd(dev), states)

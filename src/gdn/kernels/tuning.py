@@ -124,8 +124,8 @@ class ChunkForward:
     # fused 1213 -> 1293); at V tile 32 the output partition's extra products outrun the chain: 1x8192 16/32 252 ->
     # 310, 1x32768 16/32 972 -> 1197; the 2/8 segmented final pass at 64: 665 -> 690
     state_sm90_p_in_kernel_bv: int = 64
-    # sm_90 inference forward (no h / v_new kept), unsegmented, not forced: the fused kernel at this narrower V tile
-    # where its grid still fits one wave (few heads: 16 value heads -> 128 CTAs at 16 columns, 64 at 32), a chunk
+    # sm_90 inference forward (no h / v_new kept), unsegmented, not forced, K = 128: the fused kernel at this narrower
+    # V tile where its grid still fits one wave (few heads: 16 value heads -> 128 CTAs at 16 columns, 64 at 32), a chunk
     # step ~1.0 us instead of 1.33 at 32 (0 = off). H100 forward kernels, V tile 32 / 16 alternating twice
     # (bench/results/fwd_fused_bv16_ab_h100.json): 1x8192 8/16 212-215 -> 170-174 us, 1x16384 8/16 415-420 -> 328-332,
     # 1x32768 8/16 805-814 -> 640-643; the segmented 4/8 and 2/8 runs beat it (124 vs 135 us, 663-671 vs 992-1002)

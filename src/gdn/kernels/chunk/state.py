@@ -314,8 +314,9 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
         bv, plan = _fused_segments(ci, HV, K, V, dev, plan, cfg, sm90_tile(ci.N * HV))
     narrow = int(cfg.state_sm90_narrow_bv)
     if (bv == 32 and not states and not forced and not plan.segmented and 0 < narrow < bv and V % narrow == 0
-            and plan.S * HV * (V // narrow) <= _num_sms(dev)):
+            and K == 128 and plan.S * HV * (V // narrow) <= _num_sms(dev)):
         # few heads (an inference forward): the narrower tile still fits one wave and its chain step is shorter
+        # (built and checked on the GPU at K = 128 only: gdn.aot, gdn check sm90_vs_portable / target_shapes)
         bv = narrow
     if bv == 128:   # the register-state kernel (also where a forced state_sm90_BV asks for 128)
         ok = not states and hopper.transposed_ok(K, V, bv, None, None) and hopper.fused_supported(q, k, 64)
