@@ -98,9 +98,12 @@ class CudaTimer:
     def _n_samples(self, sample_ms: float) -> int:
         return int(max(self.min_samples, min(self.max_samples, self.target_ms / max(sample_ms, 1e-3))))
 
-    def _samples(self, launch: Callable[[], None], n: int) -> List[float]:
+    def _samples(self, launch: Callable[[], None], n: int, before: Callable[[], None] = None) -> List[float]:
+        """``n`` event-timed runs of ``launch``, each preceded (outside its events) by ``before`` when given."""
         evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
         for a, b in evs:
+            if before is not None:
+                before()
             a.record()
             launch()
             b.record()
@@ -172,18 +175,11 @@ class CudaTimer:
         passes = max(1, math.ceil(MIN_SAMPLE_MS / max(ms_pass, 1e-4)))
         ahead_ms = 1.5 * min(host) * passes + 0.05
         sleep = int(self._cycles_per_ms() * ahead_ms)
-        evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-               for _ in range(self._n_samples(ms_pass * passes + ahead_ms))]
-        launch = self._pass(fn, n_sets, passes)
-        for a, b in evs:
-            torch.cuda._sleep(sleep)
-            a.record()
-            launch()
-            b.record()
-        self._sync()
+        raw = self._samples(self._pass(fn, n_sets, passes), self._n_samples(ms_pass * passes + ahead_ms),
+                            before=lambda: torch.cuda._sleep(sleep))
         calls = passes * n_sets
-        med, p20, p80 = _quantiles([a.elapsed_time(b) / calls for a, b in evs])
-        return Timing(med, p20, p80, len(evs), calls, "device")
+        med, p20, p80 = _quantiles([r / calls for r in raw])
+        return Timing(med, p20, p80, len(raw), calls, "device")
 
     def _graph(self, fn, n_sets) -> Timing:
         side = torch.cuda.Stream(self.device)

@@ -313,8 +313,8 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
         # V tile the cost model prefers, or no segments where they do not pay
         bv, plan = _fused_segments(ci, HV, K, V, dev, plan, cfg, sm90_tile(ci.N * HV))
     narrow = int(cfg.state_sm90_narrow_bv)
-    if (bv == 32 and not states and not forced and not plan.segmented and 0 < narrow < bv and V % narrow == 0
-            and K == 128 and plan.S * HV * (V // narrow) <= _num_sms(dev)):
+    if (bv == 32 and not states and not forced and not plan.segmented and 0 < narrow < bv and K == 128
+            and one_wave_tile(plan.S * HV, V, dev, (narrow,))):
         # few heads (an inference forward): the narrower tile still fits one wave and its chain step is shorter
         # (built and checked on the GPU at K = 128 only: gdn.aot, gdn check sm90_vs_portable / target_shapes)
         bv = narrow
