@@ -251,8 +251,9 @@ def test_strided_packed_qkv():
 # ----------------------------------------------------------------------------------------------------------------------
 # segmented state pass (long sequences split over SMs), forced at small sizes
 # ----------------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("seg", [1, 2])
-def test_forced_segments(seg):
+@pytest.mark.parametrize("seg,merge_bk", [(1, 128), (2, 128), (2, 16)])
+def test_forced_segments(seg, merge_bk):
+    """merge_bk 16 < K: the merge steps over K tiles through memory; else one tile with the state in registers."""
     from gdn.kernels import tuning
 
     lens = [4 * C + 9, 3, 2 * C]
@@ -261,7 +262,7 @@ def test_forced_segments(seg):
     N, H, HV, K, V = len(lens), 1, 1, 32, 16
     x = make_inputs(1, T, H, HV, K, V)
     h0 = _state(N, HV, K, V, "k_last")
-    with tuning.override("chunk_fwd", segment_chunks=seg):
+    with tuning.override("chunk_fwd", segment_chunks=seg, merge_BK=merge_bk):
         o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
                                        cu_seqlens=cu, use_qk_l2norm_in_kernel=True, state_layout="k_last")
     ro, rht = _refs(x, h0=h0, cu=cu, l2=True, layout="k_last")

@@ -108,7 +108,9 @@ class ChunkForward:
     state_sm90_segment_pass_cost: float = 1.12
     state_sm90_segment_pass_cost2: float = 1.65
     state_sm90_wide_step_cost: float = 1.5
-    state_sm90_merge_cost: float = 3.0
+    # merge: one step 3.6 us (H100) before the tf32 pipelined merge (merge_* below), 1.8 us since (no plan of the
+    # modelled rows changes)
+    state_sm90_merge_cost: float = 1.4
     state_sm90_segment_fixed_cost: float = 20.0
     # sm_90: the segment pass of segmented runs (local states from zero and the transition matrices, one launch) as
     # the Gluon state pass (hopper._state_steps, INIT 3) at V tile state_sm90_segment_BV, instead of the portable one.
@@ -152,10 +154,17 @@ class ChunkForward:
     # merge kernel of the segmented state pass: one program per (16-column V tile, value head, sequence) steps through
     # the segments; H200, 1x65536 2/8 with 8 segments (gdn profile --forward, GDN_TUNE sweep): BV 64 / BK 64 / 4 warps
     # 96.6 us, BV 32 50.7, BV 16 39.8, BV 32 / BK 128 / 8 warps 36.5, BV 16 / BK 128 / 8 warps 28.7
+    # 2026-11-27 (seventeenth session), H100, 8 segments, merge alone: 28.4 us (tf32x3, the state re-read through
+    # L2 every step) -> 30.0 (state in registers, next tiles prefetched into registers) -> 16.2 (the same in tf32)
+    # -> 14.4 (tf32, loop pipelined 2 deep: the transition lands in shared memory); BV 32 / 64 slower (18 / 24).
+    # tf32 for 16-bit inputs: the segmented state's error against float64 is the bf16 path's (2.3e-3 either way);
+    # fp32 inputs keep tf32x3 (results/fwd_merge_tf32_h100.json)
     merge_BK: int = 128
     merge_BV: int = 16
     merge_warps: int = 8
+    merge_stages: int = 2
     merge_precision: str = "tf32x3"
+    merge_precision_16bit: str = "tf32"
     # storage dtype of the per-chunk states h: "input" (bf16 for bf16 inputs) or "fp32"
     h_dtype: str = "input"
     # v_new from Ainv / v / beta ("ainv": no w/u round trip) or from stored w/u ("wu")

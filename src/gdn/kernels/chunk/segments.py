@@ -26,7 +26,7 @@ def _chunk_merge_kernel(
     s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, H0_INDEXED: tl.constexpr, STORE_FINAL: tl.constexpr, HT_INDEXED: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr,
 ):
     """Sequential merge of one sequence's segment states, one V tile of one value head.
 
@@ -34,8 +34,9 @@ def _chunk_merge_kernel(
     sequence n (its segments are ``seg_offsets[n] .. seg_offsets[n + 1]``).
 
     1. hs[s0] = h0[n] (row through h0_idx when H0_INDEXED; zeros without h0 or for an invalid row);
-    2. for s = s0 .. s1 - 1: hs[s + 1] = trans[s] @ hs[s] + hloc[s] over K tiles (each step reads what the previous
-       one wrote: a barrier between steps, reads through L2);
+    2. for s = s0 .. s1 - 1: hs[s + 1] = trans[s] @ hs[s] + hloc[s]: with one K tile (BK >= K) the state stays in
+       registers; over K tiles each step reads what the previous one wrote (a barrier between steps, reads through
+       L2);
     3. STORE_FINAL: the last value -> ht[n] (row through ht_idx when HT_INDEXED).
 
     Layouts: trans [S, HV, K, K], hloc / hs [S, HV, K, V] fp32 contiguous; h0 / ht with strides (s0n, s0h, s0k, s0v)
@@ -51,42 +52,69 @@ def _chunk_merge_kernel(
     # rows of the sequence's start state (h0) and final state (ht)
     row, ok0 = _state_row(h0_idx, n, n, P0, False, H0_INDEXED)
     row1, ok1 = _state_row(ht_idx, n, n, P1, False, HT_INDEXED)
-    for i_k in range(0, tl.cdiv(K, BK)):
-        okk = i_k * BK + ob
+    if BK >= K:
+        # one K tile: the running state stays in registers (the next product's right operand; hs is written, never
+        # read back); the loop pipelined STAGES deep, so step s + 1's transition goes to shared memory (the
+        # product's operand) while step s computes
+        okk = ob
         m = (okk < K)[:, None] & mv[None, :]
         if HAS_H0:
-            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v, mask=tl.where(ok0, m, False),
-                        other=0.0).to(tl.float32)
+            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v,
+                        mask=tl.where(ok0, m, False), other=0.0).to(tl.float32)
         else:
             x = tl.zeros([BK, BV], tl.float32)
         tl.store(hs + ((s0.to(tl.int64) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x, mask=m)
-    tl.debug_barrier()
-    for s64 in range(s0.to(tl.int64), s1.to(tl.int64)):
-        for i_k in range(0, tl.cdiv(K, BK)):
-            okk = i_k * BK + ob
-            m = (okk < K)[:, None] & mv[None, :]
-            acc = tl.load(hloc + ((s64 * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], mask=m, other=0.0)
-            for j_k in range(0, tl.cdiv(K, BK)):
-                ojj = j_k * BK + ob
-                mj = ojj < K
-                pm = tl.load(trans + ((s64 * HV + i_hv) * K + okk[:, None]) * K + ojj[None, :],
-                             mask=(okk < K)[:, None] & mj[None, :], other=0.0)
-                # written by this program in the previous step (barrier in between): read through L2
-                xs = tl.load(hs + ((s64 * HV + i_hv) * K + ojj[:, None]) * V + ov[None, :],
-                             mask=mj[:, None] & mv[None, :], other=0.0, cache_modifier=".cg")
-                acc = tl.dot(pm, xs, acc, input_precision=PREC)
-            tl.store(hs + (((s64 + 1) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], acc,
+        mt = (okk < K)[:, None] & (okk < K)[None, :]
+        for s64 in tl.range(s0.to(tl.int64), s1.to(tl.int64), num_stages=STAGES):
+            if BK == K:
+                pm = tl.load(trans + ((s64 * HV + i_hv) * K + okk[:, None]) * K + okk[None, :])
+            else:
+                pm = tl.load(trans + ((s64 * HV + i_hv) * K + okk[:, None]) * K + okk[None, :], mask=mt, other=0.0)
+            hl = tl.load(hloc + ((s64 * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], mask=m, other=0.0)
+            x = tl.dot(pm, x, hl, input_precision=PREC)
+            tl.store(hs + (((s64 + 1) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x,
                      mask=tl.where(s64 + 1 < s1, m, False))
             if STORE_FINAL:
                 tl.store(ht + row1 * s1n + i_hv * s1h + okk[:, None] * s1k + ov[None, :] * s1v,
-                         _rn(acc, ht.dtype.element_ty), mask=tl.where(ok1 & (s64 + 1 == s1), m, False))
+                         _rn(x, ht.dtype.element_ty), mask=tl.where(ok1 & (s64 + 1 == s1), m, False))
+    else:
+        for i_k in range(0, tl.cdiv(K, BK)):
+            okk = i_k * BK + ob
+            m = (okk < K)[:, None] & mv[None, :]
+            if HAS_H0:
+                x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v, mask=tl.where(ok0, m, False),
+                            other=0.0).to(tl.float32)
+            else:
+                x = tl.zeros([BK, BV], tl.float32)
+            tl.store(hs + ((s0.to(tl.int64) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x, mask=m)
         tl.debug_barrier()
+        for s64 in range(s0.to(tl.int64), s1.to(tl.int64)):
+            for i_k in range(0, tl.cdiv(K, BK)):
+                okk = i_k * BK + ob
+                m = (okk < K)[:, None] & mv[None, :]
+                acc = tl.load(hloc + ((s64 * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], mask=m, other=0.0)
+                for j_k in range(0, tl.cdiv(K, BK)):
+                    ojj = j_k * BK + ob
+                    mj = ojj < K
+                    pm = tl.load(trans + ((s64 * HV + i_hv) * K + okk[:, None]) * K + ojj[None, :],
+                                 mask=(okk < K)[:, None] & mj[None, :], other=0.0)
+                    # written by this program in the previous step (barrier in between): read through L2
+                    xs = tl.load(hs + ((s64 * HV + i_hv) * K + ojj[:, None]) * V + ov[None, :],
+                                 mask=mj[:, None] & mv[None, :], other=0.0, cache_modifier=".cg")
+                    acc = tl.dot(pm, xs, acc, input_precision=PREC)
+                tl.store(hs + (((s64 + 1) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], acc,
+                         mask=tl.where(s64 + 1 < s1, m, False))
+                if STORE_FINAL:
+                    tl.store(ht + row1 * s1n + i_hv * s1h + okk[:, None] * s1k + ov[None, :] * s1v,
+                             _rn(acc, ht.dtype.element_ty), mask=tl.where(ok1 & (s64 + 1 == s1), m, False))
+            tl.debug_barrier()
 
 
-def merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy, ht_idx=None):
+def merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy, ht_idx=None, half=True):
     """Step 2: the start state of every segment, fp32 [S, HV, K, V] (and the final state into ``ht`` when given).
     trans [S, HV, K, K], hloc [S, HV, K, V] fp32; initial_state / ht with their (row, head, K, V) strides s0 / s1
-    (pool rows through ``idx`` when given; the final state through ``ht_idx``, default ``idx``)."""
+    (pool rows through ``idx`` when given; the final state through ``ht_idx``, default ``idx``). ``half``: the
+    inputs are 16-bit (the products take ``merge_precision_16bit``, else ``merge_precision``)."""
     ht_idx = idx if ht_idx is None else ht_idx
     S, HV, K, V = hloc.shape
     cfg = tuning.chunk_fwd(hloc.device)
@@ -102,7 +130,8 @@ def merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, 
         idx if idx is not None else ci.chunk_offsets, ht_idx if ht_idx is not None else ci.chunk_offsets,
         trans, hloc, hs, plan.seg_offsets, P, P1, *s0, *s1, HV=HV, K=K, V=V, BK=BKM, BV=BVM,
         HAS_H0=initial_state is not None, H0_INDEXED=idx is not None, STORE_FINAL=ht is not None,
-        HT_INDEXED=ht_idx is not None, PREC=cfg.merge_precision, num_warps=int(cfg.merge_warps))
+        HT_INDEXED=ht_idx is not None, PREC=cfg.merge_precision_16bit if half else cfg.merge_precision,
+        STAGES=int(cfg.merge_stages), num_warps=int(cfg.merge_warps))
     return hs
 
 
