@@ -20,6 +20,33 @@ from .common import _launch, _pow2, _rn, _state_row
 from ..common import cdiv
 
 
+@triton.jit
+def _merge_start_tile(h0, hs, row, ok0, s0, i_hv, okk, ov, m, s0n, s0h, s0k, s0v,
+                      HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      HAS_H0: tl.constexpr):
+    """Rows ``okk`` x columns ``ov`` of the sequence's start state (h0's row ``row`` when HAS_H0 and ``ok0``, else
+    zeros), fp32, written to hs[s0] and returned."""
+    if HAS_H0:
+        x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v,
+                    mask=tl.where(ok0, m, False), other=0.0).to(tl.float32)
+    else:
+        x = tl.zeros([BK, BV], tl.float32)
+    tl.store(hs + ((s0.to(tl.int64) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x, mask=m)
+    return x
+
+
+@triton.jit
+def _merge_store_step(x, hs, ht, s64, s1, i_hv, okk, ov, m, row1, ok1, s1n, s1h, s1k, s1v,
+                      HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, STORE_FINAL: tl.constexpr):
+    """Step s64's result tile ``x`` (rows okk, columns ov) -> hs[s64 + 1] unless it is the last segment's, and with
+    STORE_FINAL the last one -> ht's row ``row1`` (when ``ok1``)."""
+    tl.store(hs + (((s64 + 1) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x,
+             mask=tl.where(s64 + 1 < s1, m, False))
+    if STORE_FINAL:
+        tl.store(ht + row1 * s1n + i_hv * s1h + okk[:, None] * s1k + ov[None, :] * s1v,
+                 _rn(x, ht.dtype.element_ty), mask=tl.where(ok1 & (s64 + 1 == s1), m, False))
+
+
 @triton.jit(do_not_specialize=["P0", "P1"])
 def _chunk_merge_kernel(
     h0, ht, h0_idx, ht_idx, trans, hloc, hs, seg_offsets, P0, P1,
@@ -58,12 +85,7 @@ def _chunk_merge_kernel(
         # product's operand) while step s computes
         okk = ob
         m = (okk < K)[:, None] & mv[None, :]
-        if HAS_H0:
-            x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v,
-                        mask=tl.where(ok0, m, False), other=0.0).to(tl.float32)
-        else:
-            x = tl.zeros([BK, BV], tl.float32)
-        tl.store(hs + ((s0.to(tl.int64) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x, mask=m)
+        x = _merge_start_tile(h0, hs, row, ok0, s0, i_hv, okk, ov, m, s0n, s0h, s0k, s0v, HV, K, V, BK, BV, HAS_H0)
         mt = (okk < K)[:, None] & (okk < K)[None, :]
         for s64 in tl.range(s0.to(tl.int64), s1.to(tl.int64), num_stages=STAGES):
             if BK == K:
@@ -72,21 +94,13 @@ def _chunk_merge_kernel(
                 pm = tl.load(trans + ((s64 * HV + i_hv) * K + okk[:, None]) * K + okk[None, :], mask=mt, other=0.0)
             hl = tl.load(hloc + ((s64 * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], mask=m, other=0.0)
             x = tl.dot(pm, x, hl, input_precision=PREC)
-            tl.store(hs + (((s64 + 1) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x,
-                     mask=tl.where(s64 + 1 < s1, m, False))
-            if STORE_FINAL:
-                tl.store(ht + row1 * s1n + i_hv * s1h + okk[:, None] * s1k + ov[None, :] * s1v,
-                         _rn(x, ht.dtype.element_ty), mask=tl.where(ok1 & (s64 + 1 == s1), m, False))
+            _merge_store_step(x, hs, ht, s64, s1, i_hv, okk, ov, m, row1, ok1, s1n, s1h, s1k, s1v, HV, K, V,
+                              STORE_FINAL)
     else:
         for i_k in range(0, tl.cdiv(K, BK)):
             okk = i_k * BK + ob
             m = (okk < K)[:, None] & mv[None, :]
-            if HAS_H0:
-                x = tl.load(h0 + row * s0n + i_hv * s0h + okk[:, None] * s0k + ov[None, :] * s0v, mask=tl.where(ok0, m, False),
-                            other=0.0).to(tl.float32)
-            else:
-                x = tl.zeros([BK, BV], tl.float32)
-            tl.store(hs + ((s0.to(tl.int64) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], x, mask=m)
+            _merge_start_tile(h0, hs, row, ok0, s0, i_hv, okk, ov, m, s0n, s0h, s0k, s0v, HV, K, V, BK, BV, HAS_H0)
         tl.debug_barrier()
         for s64 in range(s0.to(tl.int64), s1.to(tl.int64)):
             for i_k in range(0, tl.cdiv(K, BK)):
@@ -102,11 +116,8 @@ def _chunk_merge_kernel(
                     xs = tl.load(hs + ((s64 * HV + i_hv) * K + ojj[:, None]) * V + ov[None, :],
                                  mask=mj[:, None] & mv[None, :], other=0.0, cache_modifier=".cg")
                     acc = tl.dot(pm, xs, acc, input_precision=PREC)
-                tl.store(hs + (((s64 + 1) * HV + i_hv) * K + okk[:, None]) * V + ov[None, :], acc,
-                         mask=tl.where(s64 + 1 < s1, m, False))
-                if STORE_FINAL:
-                    tl.store(ht + row1 * s1n + i_hv * s1h + okk[:, None] * s1k + ov[None, :] * s1v,
-                             _rn(acc, ht.dtype.element_ty), mask=tl.where(ok1 & (s64 + 1 == s1), m, False))
+                _merge_store_step(acc, hs, ht, s64, s1, i_hv, okk, ov, m, row1, ok1, s1n, s1h, s1k, s1v, HV, K, V,
+                                  STORE_FINAL)
             tl.debug_barrier()
 
 
