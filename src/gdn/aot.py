@@ -15,6 +15,7 @@ memory placed on tiles an unfinished asynchronous product reads (:func:`async_op
 """
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -281,20 +282,22 @@ def _run_scenarios() -> int:
 # the Gluon (sm_90-only) kernels: compiled directly (the ops take them only on a Hopper GPU)
 # ----------------------------------------------------------------------------------------------------------------------
 def compile_gluon(kernel, args: dict, constexprs: dict, num_warps: int = 4, options: dict = None):
-    """Compile a Gluon kernel for sm_90 from example arguments (tensor -> pointer, int -> i32, float -> fp32, TMA
-    descriptors by their own signature type); constexprs by value. Used by gdn.aot and bench/aot_chunk.py."""
+    """Compile a Gluon kernel (or a ``triton.jit`` one) for sm_90 from example arguments (tensor -> pointer, int ->
+    i32, float -> fp32, TMA descriptors by their own signature type); constexprs by value. Used by gdn.aot and
+    bench/aot_chunk.py."""
     import torch
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
     from triton.runtime.jit import mangle_type
 
     ptr = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
            torch.int64: "i64", torch.int8: "i8"}
     sig, consts, attrs = {}, {}, {}
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.default is not inspect.Parameter.empty}
     for i, n in enumerate(kernel.arg_names):
-        if n in constexprs:
-            sig[n], consts[(i,)] = "constexpr", constexprs[n]
+        if n in constexprs or (n not in args and n in defaults):
+            sig[n], consts[(i,)] = "constexpr", constexprs.get(n, defaults.get(n))
             continue
         val = args[n]
         if isinstance(val, torch.Tensor):
@@ -307,7 +310,9 @@ def compile_gluon(kernel, args: dict, constexprs: dict, num_warps: int = 4, opti
             sig[n] = "fp32"
         else:
             sig[n] = mangle_type(val)
-    src = GluonASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs)
+    gluon_kernel = isinstance(kernel, GluonJITFunction)
+    src = (GluonASTSource if gluon_kernel else triton.compiler.ASTSource)(fn=kernel, signature=sig, constexprs=consts,
+                                                                           attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **(options or {})})
 
 
@@ -533,6 +538,65 @@ FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=
 FUSED_T_CONFIGS = [dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,
                         USE_L2=False), dict(H0_BY_SEG=True, H0_INDEXED=False, STORE_FINAL=False)]
 
+# the sm_90 forward's launches with programmatic dependent launch (chunk_fwd.pdl): each build's PTX is also checked
+# for its wait coming before any global memory access (pdl_problem)
+PREPARE_CONFIGS += [dict(maxnreg=128, PDL=1), dict(maxnreg=168, PDL=1)]
+HOPPER_CONFIGS += [dict(BV=64, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False, STORE_H=False,
+                        STORE_VNEW=False, STORE_FINAL=False, PDL=1)]
+FUSED_CONFIGS += [dict(BV=bv, PDL=1) for bv in (16, 32, 64)] + \
+    [dict(BV=64, INIT=1, IS_VARLEN=True, H0_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,
+          STORE_FINAL=False, PDL=1)]
+FUSED_T_CONFIGS += [dict(PDL=1)]
+
+
+def compile_merge(**flags):
+    """The segment merge (``chunk.segments._chunk_merge_kernel``, a portable kernel) for sm_90."""
+    import torch
+    from .kernels.chunk import segments
+
+    f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
+    args = dict(h0=f32, ht=f32, h0_idx=i32, ht_idx=i32, trans=f32, hloc=f32, hs=f32, seg_offsets=i32, P0=4, P1=4,
+                s0n=16384, s0h=2048, s0k=128, s0v=1, s1n=16384, s1h=2048, s1k=128, s1v=1)
+    cx = dict(HV=8, K=128, V=128, BK=128, BV=16, HAS_H0=True, H0_INDEXED=True, STORE_FINAL=True, HT_INDEXED=True,
+              PREC="tf32", STAGES=2, PDL=0)
+    cx.update(flags)
+    return compile_gluon(segments._chunk_merge_kernel, args, cx, num_warps=8, options={"num_stages": 2})
+
+
+def compile_redo(**flags):
+    """The fp16 solve's overflow redo (``chunk.prepare._prepare_redo_kernel``, a portable kernel) for sm_90."""
+    import torch
+    import triton.language as tl
+    from .kernels.chunk import prepare
+
+    bf, f32, i32 = torch.empty(4, dtype=torch.bfloat16), torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
+    args = dict(flags=torch.empty(4, dtype=torch.int8), n_items=1000, k=bf, beta=bf, gcum=f32, ainv=bf, w=bf,
+                chunk_indices=i32, cu_seqlens=i32, T=4096, s_kb=0, s_kt=256, s_kh=128, s_bb=0, s_bt=2, s_bh=1)
+    cx = dict(H=2, HV=4, K=128, BK=64, USE_L2=True, IS_VARLEN=True, STORE_W=False, DT=tl.bfloat16, BLOCK=128, PDL=0)
+    cx.update(flags)
+    return compile_gluon(prepare._prepare_redo_kernel, args, cx, num_warps=4, options={"num_stages": 1})
+
+
+# portable kernels of the sm_90 forward's launch chain, built with PDL (their plain builds: the scenarios above)
+PDL_PORTABLE_BUILDS = [("merge", compile_merge, dict(PDL=1)), ("overflow redo", compile_redo, dict(PDL=1))]
+
+
+def pdl_problem(compiled) -> str:
+    """'' when the PTX of a build with programmatic dependent launch waits (``griddepcontrol.wait``) before its first
+    global memory access (load, store, atomic, asynchronous or TMA copy), else what is wrong: nothing the kernel
+    before it writes, or reads, may be touched earlier."""
+    import re
+
+    lines = compiled.asm["ptx"].splitlines()
+    wait = next((i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln), None)
+    if wait is None:
+        return "no griddepcontrol.wait"
+    mem = next((i for i, ln in enumerate(lines) if re.search(r"\b(ld\.global|st\.global|atom\.|red\.|cp\.async)", ln)),
+               None)
+    if mem is not None and mem < wait:
+        return f"global memory access before the wait: {lines[mem].strip()}"
+    return ""
+
 
 def default_partition_regs(compiled, worker_regs) -> int:
     """Registers per thread of a warp-specialized kernel's default partition inside its ``gl.warp_specialize``
@@ -688,6 +752,7 @@ def _compile_hopper() -> int:
     builds += [("reverse pass", compile_hopper_dh_pass, c) for c in DH_CONFIGS]
     builds += [("parts", compile_hopper_parts, c) for c in PARTS_CONFIGS]
     builds += [("prepare", compile_hopper_prepare, c) for c in PREPARE_CONFIGS]
+    builds += PDL_PORTABLE_BUILDS
     # the warp-specialized kernels' worker register claims (the register-state kernel's fill its registers exactly)
     def ws_regs(build, cfg):
         if build is compile_hopper_fused_pass:
@@ -700,6 +765,9 @@ def _compile_hopper() -> int:
             why = register_pool_problem(compiled, workers) if workers else ""
             if why:
                 raise RuntimeError(f"partition registers: {why}")
+            why = pdl_problem(compiled) if cfg.get("PDL") else ""
+            if why:
+                raise RuntimeError(f"programmatic dependent launch: {why}")
             why = async_operand_problem(compiled)
             if why is None:
                 unchecked += 1

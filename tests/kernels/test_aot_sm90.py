@@ -23,10 +23,11 @@ def test_every_launch_compiles_for_sm90():
     assert len(done) == 2 and all(int(ln.split()[1]) > 20 for ln in done), summary
     # the Gluon Hopper kernels (state pass, fused passes, backward reverse pass, parts, prepare): every configuration
     # the launchers can pick compiles (or Gluon is absent)
-    from gdn.aot import DH_CONFIGS, FUSED_CONFIGS, FUSED_T_CONFIGS, HOPPER_CONFIGS, PARTS_CONFIGS, PREPARE_CONFIGS
+    from gdn.aot import (DH_CONFIGS, FUSED_CONFIGS, FUSED_T_CONFIGS, HOPPER_CONFIGS, PARTS_CONFIGS,
+                         PDL_PORTABLE_BUILDS, PREPARE_CONFIGS)
 
     n = (len(HOPPER_CONFIGS) + len(FUSED_CONFIGS) + len(FUSED_T_CONFIGS) + len(DH_CONFIGS) + len(PARTS_CONFIGS)
-         + len(PREPARE_CONFIGS))
+         + len(PREPARE_CONFIGS) + len(PDL_PORTABLE_BUILDS))
     hopper = [ln for ln in summary if ln.startswith("gdn.aot: hopper") and "configurations compile" in ln
               or "Gluon not available" in ln]
     assert len(hopper) == 1 and ("Gluon not available" in hopper[0] or f" {n} of {n} " in hopper[0]), summary

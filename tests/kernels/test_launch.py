@@ -248,3 +248,35 @@ def test_direct_launch_expands_arguments_as_triton_does(monkeypatch):
 class _Desc:
     def __init__(self, base, shape, strides, block_shape, padding="zero"):
         self.base, self.shape, self.strides, self.block_shape, self.padding = base, shape, strides, block_shape, padding
+
+
+def test_pdl_args_only_for_cuda_sm90_outside_the_interpreter(monkeypatch):
+    """Programmatic dependent launch keywords: none on the CPU, in the interpreter, at level 0 or before sm_90; the
+    kernel's PDL level and Triton's launch_pdl option on sm_90 and newer."""
+    import types
+
+    cuda = types.SimpleNamespace(type="cuda", index=0)
+    assert L.pdl_args(1, torch.device("cpu")) == {}
+    assert L.pdl_args(0, cuda) == {}
+    monkeypatch.setattr(L, "triton_interpret", lambda: False)
+    for cap, want in (((8, 0), {}), ((9, 0), {"PDL": 2, "launch_pdl": True}), ((10, 0), {"PDL": 2, "launch_pdl": True})):
+        monkeypatch.setattr(L, "_PDL_DEVICES", {})
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx, c=cap: c)
+        assert L.pdl_args(2, cuda) == want
+    monkeypatch.setattr(L, "triton_interpret", lambda: True)
+    assert L.pdl_args(1, cuda) == {}
+
+
+def test_pdl_problem_reads_the_ptx_order():
+    """gdn.aot.pdl_problem: a global access before griddepcontrol.wait (or no wait at all) is reported."""
+    import types
+
+    from gdn.aot import pdl_problem
+
+    ok = "mov.u32 %r1, 0;\n\tgriddepcontrol.wait;\n\tld.global.b32 %r2, [%rd1];\n\tcp.async.bulk.tensor.2d [x];"
+    early = "ld.global.b32 %r2, [%rd1];\n\tgriddepcontrol.wait;"
+    tma_early = "cp.async.bulk.tensor.2d.shared::cluster.global [x];\n\tgriddepcontrol.wait;"
+    assert pdl_problem(types.SimpleNamespace(asm={"ptx": ok})) == ""
+    assert "before the wait" in pdl_problem(types.SimpleNamespace(asm={"ptx": early}))
+    assert "before the wait" in pdl_problem(types.SimpleNamespace(asm={"ptx": tma_early}))
+    assert pdl_problem(types.SimpleNamespace(asm={"ptx": "ld.global.b32 %r2, [%rd1];"})) == "no griddepcontrol.wait"

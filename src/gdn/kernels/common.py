@@ -3,6 +3,8 @@ import torch
 import triton
 import triton.language as tl
 
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
 from .launch import launch
 
 
@@ -21,6 +23,18 @@ def sigmoid(x):
 def gdn_gate_value(a, A_log, dt_bias):
     """log-space decay g = -exp(A_log) * softplus(a + dt_bias), fp32."""
     return -tl.exp(A_log) * softplus(a + dt_bias)
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A kernel's first statement where it may be launched with programmatic dependent launch
+    (:func:`gdn.kernels.launch.pdl_args`): PDL >= 1 waits until the kernel before it in the stream has finished and
+    its writes are visible (nothing of global memory may be touched before); PDL >= 2 then lets the next kernel's
+    CTAs start (they wait in their own ``pdl_enter``). PDL 0: nothing (the interpreter, launches without PDL)."""
+    if PDL >= 1:
+        gdc_wait()
+    if PDL >= 2:
+        gdc_launch_dependents()
 
 
 def next_pow2(n: int) -> int:

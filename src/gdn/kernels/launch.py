@@ -242,6 +242,23 @@ def set_recorder(rec) -> None:
         _RECORDERS[threading.get_ident()] = rec
 
 
+_PDL_DEVICES: dict = {}
+
+
+def pdl_args(level: int, device) -> dict:
+    """Keyword arguments that launch a kernel with programmatic dependent launch at ``level`` (its ``PDL``
+    constexpr, read by ``pdl_enter`` as the kernel's first statement: 1 waits for the kernel before it, 2 also lets
+    the next one start): ``{"PDL": level, "launch_pdl": True}`` on sm_90 and newer outside the interpreter, else {}
+    (the kernel's PDL default 0: an ordinary launch)."""
+    if not level or triton_interpret() or getattr(device, "type", "cpu") != "cuda":
+        return {}
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _PDL_DEVICES.get(idx)
+    if ok is None:
+        ok = _PDL_DEVICES[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return {"PDL": int(level), "launch_pdl": True} if ok else {}
+
+
 def knobs_key() -> tuple:
     """Triton's settings that select another compiled kernel for the same arguments (part of every launch key; host
     plans key on them too, since a replay fires the kernel its first launch bound)."""
@@ -256,5 +273,5 @@ def current_stream():
     return _raw_stream(torch.cuda.current_device())
 
 
-__all__ = ["launch", "arg_key", "bind", "fire", "direct", "encode", "fast_ok", "set_recorder", "knobs_key",
+__all__ = ["launch", "pdl_args", "arg_key", "bind", "fire", "direct", "encode", "fast_ok", "set_recorder", "knobs_key",
            "current_stream", "VERIFY"]

@@ -42,7 +42,7 @@ import torch
 
 from .. import _gluon_api as G
 from ..tuning import capability
-from ..launch import launch
+from ..launch import launch, pdl_args
 
 CHUNK = 64
 
@@ -51,6 +51,16 @@ if G.AVAILABLE:
     tma, mbarrier, tma_load, tma_store = G.tma, G.mbarrier, G.tma_load, G.tma_store
     cta_barrier = G.cta_barrier
     fence_async_shared, warpgroup_mma, warpgroup_mma_wait = G.fence_async_shared, G.warpgroup_mma, G.warpgroup_mma_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @gluon.jit
+    def pdl_enter(PDL: gl.constexpr):
+        """``gdn.kernels.common.pdl_enter`` for Gluon kernels: the first statement of a kernel that may be launched
+        with programmatic dependent launch (PDL 1: wait for the kernel before it; 2: then let the next one start)."""
+        if PDL >= 1:
+            gdc_wait()
+        if PDL >= 2:
+            gdc_launch_dependents()
 
     @gluon.jit
     def _gram_rnorm(gram, diag):
@@ -422,11 +432,12 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, NS: gl.constexpr,
-        FROM_AINV: gl.constexpr, num_warps: gl.constexpr,
+        FROM_AINV: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = 0,
     ):
         """The state pass: h per chunk (TMA store), v_new, the final state; one program per (V tile, value head,
         segment), 4 warps."""
         C: gl.constexpr = 64
+        pdl_enter(PDL)
         i_v = gl.program_id(0)
         i_hv = gl.program_id(1)
         i_s = gl.program_id(2)
@@ -463,7 +474,7 @@ if G.AVAILABLE:
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
         NS: gl.constexpr, OUT_REGS: gl.constexpr, LREGS: gl.constexpr, TMA_WARP: gl.constexpr,
-        num_warps: gl.constexpr, PK: gl.constexpr = False,
+        num_warps: gl.constexpr, PK: gl.constexpr = False, PDL: gl.constexpr = 0,
     ):
         """State pass and output in one kernel: per (V tile, value head, segment) a state partition (the default 4
         warps, :func:`_state_steps`) and an output partition (4 more warps, :func:`_output_steps`) that computes the
@@ -473,6 +484,7 @@ if G.AVAILABLE:
         ``scale`` (``qf`` unused)."""
         C: gl.constexpr = 64
         NH: gl.constexpr = 2                # hand-off slots: the chain runs at most one chunk ahead of the output
+        pdl_enter(PDL)
         i_v = gl.program_id(0)
         i_hv = gl.program_id(1)
         i_s = gl.program_id(2)
@@ -672,7 +684,7 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
         HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, WREGS: gl.constexpr,
-        LREGS: gl.constexpr, num_warps: gl.constexpr,
+        LREGS: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = 0,
     ):
         """The fused state + output pass with the state transposed and held in registers, over V tile BV = 128 as two
         warpgroup partitions (``_t_steps``, 64 rows of S^T [BV, K] each) fed by a one-warp load partition
@@ -688,6 +700,7 @@ if G.AVAILABLE:
         Same inputs and outputs as ``_chunk_fused_sm90_kernel`` without STORE_H / STORE_VNEW."""
         C: gl.constexpr = 64
         HB: gl.constexpr = BV // 2
+        pdl_enter(PDL)
         i_v = gl.program_id(0)
         i_hv = gl.program_id(1)
         i_s = gl.program_id(2)
@@ -810,11 +823,12 @@ def _desc_defaults() -> dict:
 def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0_idx, ht_idx, segments,
                       cu_seqlens, chunk_offsets, T, P0, P1, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen,
                       INIT, H0_BY_SEG, H0_INDEXED, HT_BY_SEG, HT_INDEXED, from_ainv=True, BV=64, stages=2,
-                      num_warps=4):
+                      num_warps=4, pdl=0):
     """Launch the sm_90 state pass over ``grid`` = (V // BV, HV, segments) (INIT 3: (V // BV + K // BV, HV,
     segments), local states to ``ht`` and transitions to ``h0``, row = segment); arguments as the portable kernel's
     (``supported`` must have said yes). ``from_ainv=False``: ``v`` is u and ``ainv`` is w (``v_new = u - w h``).
-    Tensors that a mode does not use may be any placeholder tensor."""
+    Tensors that a mode does not use may be any placeholder tensor. ``pdl``: programmatic dependent launch level
+    (:func:`gdn.kernels.launch.pdl_args`; 0: an ordinary launch)."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
@@ -833,7 +847,8 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
         T, P0, P1, *s_beta, *s0, *s1,
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
         H0_INDEXED=H0_INDEXED, STORE_H=h_out is not None, STORE_VNEW=vnew is not None, STORE_FINAL=ht is not None,
-        HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, NS=stages, FROM_AINV=from_ainv, num_warps=num_warps)
+        HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, NS=stages, FROM_AINV=from_ainv, num_warps=num_warps,
+        **pdl_args(pdl, k.device))
 
 
 def transposed_ok(K: int, V: int, BV: int, h_out, vnew) -> bool:
@@ -852,7 +867,7 @@ def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
                       cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
                       H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, h_out=None, vnew=None, chunk_offsets=None,
-                      transposed=False, load_warp=False, scale=1.0):
+                      transposed=False, load_warp=False, scale=1.0, pdl=0):
     """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
     (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs; both None at V
     tile 32 / 64: the kernel forms them from q, k, g_cum, rk and ``scale``) and the final state;
@@ -860,7 +875,7 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     pool index whose invalid rows give zero outputs (None: every sequence is valid). Other arguments as
     :func:`launch_state_pass` (ainv mode). ``transposed`` (V tile 128, no h / v_new stores: :func:`transposed_ok`):
     the register-state kernel ``_chunk_fused_t_sm90_kernel`` instead. ``load_warp``: the V tile 32 / 64 kernel's ring
-    filled by a load warp (``_tma_loader``) instead of its chain partition."""
+    filled by a load warp (``_tma_loader``) instead of its chain partition. ``pdl`` as :func:`launch_state_pass`'s."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
@@ -882,7 +897,8 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
             o_idx if o_idx is not None else h0_idx, segments, cu_seqlens, T, P0, P1, PO, *s_beta, *s0, *s1,
             H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
             H0_INDEXED=H0_INDEXED, STORE_FINAL=ht is not None, HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED,
-            O_INDEXED=o_idx is not None, NS=2, WREGS=T_CHAIN_REGS, LREGS=T_LOADER_REGS, num_warps=4)
+            O_INDEXED=o_idx is not None, NS=2, WREGS=T_CHAIN_REGS, LREGS=T_LOADER_REGS, num_warps=4,
+            **pdl_args(pdl, k.device))
         return
     # no h store: a descriptor is still an argument (never stored through)
     h_desc = _desc(h_out.view(-1, V), (K, BV), dn) if h_out is not None else q_desc
@@ -895,4 +911,5 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
         H0_INDEXED=H0_INDEXED, STORE_H=h_out is not None, STORE_VNEW=vnew is not None, STORE_FINAL=ht is not None,
         HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, O_INDEXED=o_idx is not None, NS=stages,
-        OUT_REGS=OUTPUT_PARTITION_REGS, LREGS=T_LOADER_REGS, TMA_WARP=bool(load_warp), num_warps=4, PK=p is None)
+        OUT_REGS=OUTPUT_PARTITION_REGS, LREGS=T_LOADER_REGS, TMA_WARP=bool(load_warp), num_warps=4, PK=p is None,
+        **pdl_args(pdl, k.device))

@@ -34,13 +34,13 @@ from __future__ import annotations
 import torch
 
 from .. import _gluon_api as G
-from ..launch import launch
+from ..launch import launch, pdl_args
 from ..tuning import capability
 from .hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok
 
 if G.AVAILABLE:
     from .hopper import _decay_tile, _gram_rnorm, _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, \
-        tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait
+        pdl_enter, tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait
 
     _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(G.PUBLIC_REINTERPRET)
 
@@ -225,7 +225,7 @@ if G.AVAILABLE:
         scale, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
         STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, STORE_W: gl.constexpr,
-        num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False,
+        num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False, PDL: gl.constexpr = 0,
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
@@ -235,6 +235,7 @@ if G.AVAILABLE:
         SOLVE_F16: ``flags`` int8 [NT * HV, 64] <- per row of the item's Ainv, 1 where its fp16 products overflowed
         (the item's Ainv / W are then redone by ``prepare._prepare_redo_kernel``), else 0."""
         C: gl.constexpr = 64
+        pdl_enter(PDL)
         pid = gl.program_id(0)
         i_t = pid // HV
         i_hv = pid % HV
@@ -404,12 +405,12 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
 
 
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
-                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None, solve_f16=False, flags=None):
+                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None, solve_f16=False, flags=None, pdl=0):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
     P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with q and the L2 norm; the caller
     passes it only then); ``w`` [B, T, HV, K] (contiguous, k's dtype): also W. ``solve_f16``: the fp16 solve, which
     writes the overflow flags ``flags`` (int8 [NT * HV, 64], one per row; the caller redoes the flagged items).
-    Unused tensors may be None."""
+    ``pdl``: programmatic dependent launch level (:func:`gdn.kernels.launch.pdl_args`). Unused tensors may be None."""
     if solve_f16 and (flags is None or flags.numel() < NT * HV * CHUNK):
         raise ValueError("launch_prepare: the fp16 solve needs flags, int8 [NT * HV, 64]")
     dn = _GL_DT[k.dtype]
@@ -425,7 +426,7 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
         cu_seqlens if cu_seqlens is not None else chunk_indices, T, float(scale), *s_g, *s_beta,
         H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
         STORE_P=q is not None, STORE_RQ=rq is not None, STORE_W=w is not None, num_warps=4, SOLVE_F16=bool(solve_f16),
-        **({"maxnreg": maxnreg} if maxnreg else {}))
+        **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(pdl, k.device))
 
 
 __all__ = ["supported", "launch_prepare"]

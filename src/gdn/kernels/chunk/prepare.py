@@ -28,7 +28,8 @@ import triton
 import triton.language as tl
 
 from .. import tuning
-from ..common import cdiv
+from ..common import cdiv, pdl_enter
+from ..launch import pdl_args
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _load_tile,
                      _pow2, _rn, _seq_span, _strides3)
 from . import hopper_prepare
@@ -97,12 +98,13 @@ def _chunk_prepare_kernel(
 def _prepare_redo_kernel(
     flags, n_items, k, beta, gcum, ainv, w, chunk_indices, cu_seqlens, T, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_L2: tl.constexpr,
-    IS_VARLEN: tl.constexpr, STORE_W: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr,
+    IS_VARLEN: tl.constexpr, STORE_W: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Ainv (and with STORE_W, W) of the (chunk, value head) items with a row flag set in ``flags`` (int8
     [n_items, 64], item = chunk * HV + value head), from the stored g_cum, with the tf32 solve: the sm_90 prepare's
     fp16 products overflowed there (raw keys of large norm; adversarial inputs only). One program per BLOCK items:
     one vector load of their flags, nothing more where none is set."""
+    pdl_enter(PDL)
     base = tl.program_id(0) * BLOCK
     offs = base + tl.arange(0, BLOCK)
     r64 = tl.arange(0, 64)
@@ -321,9 +323,10 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
             cu_seqlens, ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
             use_l2=bool(use_qk_l2norm_in_kernel), is_varlen=ci.is_varlen,
             maxnreg=_sm90_prepare_cap(cfg, q is not None, keep_w, HV > H),
-            rq=rq if store_rq else None, w=w, solve_f16=f16, flags=flags)
+            rq=rq if store_rq else None, w=w, solve_f16=f16, flags=flags, pdl=cfg.pdl)
         if f16:
-            redo_overflowed(flags, k, beta, g_cum, ainv, w, ci, cu_seqlens, T, use_qk_l2norm_in_kernel)
+            redo_overflowed(flags, k, beta, g_cum, ainv, w, ci, cu_seqlens, T, use_qk_l2norm_in_kernel,
+                            pdl=cfg.pdl)
         return (g_cum, ainv, w, u) + extra
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
@@ -349,11 +352,11 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
 
 def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor,
                     ainv: torch.Tensor, w: Optional[torch.Tensor], ci: ChunkIndex, cu_seqlens, T: int,
-                    use_qk_l2norm_in_kernel: bool) -> None:
+                    use_qk_l2norm_in_kernel: bool, pdl: int = 0) -> None:
     """Ainv (and W when given) of the items flagged in ``flags`` (int8 [NT * HV, 64], a flag per row; item =
     chunk * HV + value head) recomputed in place with the tf32 solve from k, beta and the stored g_cum
     (:func:`_prepare_redo_kernel`): the sm_90 prepare's fp16 products overflowed there. One program per
-    ``chunk_fwd.redo_block`` items."""
+    ``chunk_fwd.redo_block`` items; ``pdl``: programmatic dependent launch level (:func:`.launch.pdl_args`)."""
     H, K = k.shape[2], k.shape[3]
     HV = beta.shape[2]
     n = ci.NT * HV
@@ -362,7 +365,8 @@ def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_
             flags, n, k, beta, g_cum, ainv, w if w is not None else ainv, ci.chunk_indices,
             _cu_arg(cu_seqlens, ci.chunk_offsets), T, *_strides3(k), *_strides3(beta),
             H=H, HV=HV, K=K, BK=min(64, _pow2(K)), USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
-            STORE_W=w is not None, DT=_TL[_dot_dtype(k, k)], BLOCK=block, num_warps=4, num_stages=1)
+            STORE_W=w is not None, DT=_TL[_dot_dtype(k, k)], BLOCK=block, num_warps=4, num_stages=1,
+            **pdl_args(pdl, k.device))
 
 
 def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = CHUNK_SIZE, cu_seqlens: Optional[torch.Tensor] = None,

@@ -17,7 +17,8 @@ import triton.language as tl
 
 from .. import tuning
 from .common import _launch, _pow2, _rn, _state_row
-from ..common import cdiv
+from ..common import cdiv, pdl_enter
+from ..launch import pdl_args
 
 
 @triton.jit
@@ -53,7 +54,7 @@ def _chunk_merge_kernel(
     s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, H0_INDEXED: tl.constexpr, STORE_FINAL: tl.constexpr, HT_INDEXED: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr,
+    PREC: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0,
 ):
     """Sequential merge of one sequence's segment states, one V tile of one value head.
 
@@ -67,7 +68,8 @@ def _chunk_merge_kernel(
     3. STORE_FINAL: the last value -> ht[n] (row through ht_idx when HT_INDEXED).
 
     Layouts: trans [S, HV, K, K], hloc / hs [S, HV, K, V] fp32 contiguous; h0 / ht with strides (s0n, s0h, s0k, s0v)
-    / (s1n, ...), so either state layout."""
+    / (s1n, ...), so either state layout. PDL: ``pdl_enter``'s level."""
+    pdl_enter(PDL)
     i_v = tl.program_id(0)
     i_hv = tl.program_id(1)
     n = tl.program_id(2)
@@ -142,7 +144,7 @@ def merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, 
         trans, hloc, hs, plan.seg_offsets, P, P1, *s0, *s1, HV=HV, K=K, V=V, BK=BKM, BV=BVM,
         HAS_H0=initial_state is not None, H0_INDEXED=idx is not None, STORE_FINAL=ht is not None,
         HT_INDEXED=ht_idx is not None, PREC=cfg.merge_precision_16bit if half else cfg.merge_precision,
-        STAGES=int(cfg.merge_stages), num_warps=int(cfg.merge_warps))
+        STAGES=int(cfg.merge_stages), num_warps=int(cfg.merge_warps), **pdl_args(cfg.pdl, hloc.device))
     return hs
 
 

@@ -488,7 +488,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
                 BV=bv_fused, stages=cfg.state_sm90_stages, h_out=h_out, vnew=vn_out, chunk_offsets=ci.chunk_offsets,
                 transposed=bv_fused == 128, load_warp=bv_fused <= int(cfg.state_sm90_load_warp_bv),
-                scale=output.get("scale", 1.0))
+                scale=output.get("scale", 1.0), pdl=cfg.pdl)
             return
         bv9 = sm90_tile(S * HV) if (not fused and n_extra == 0 and Vd == V) else 0
         if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,
@@ -500,7 +500,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 plan.segments, cu, ci.chunk_offsets, T, P0, P1, sb, s0, s1, H=H, HV=HV, K=K, V=V,
                 use_l2=l2, is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
-                from_ainv=from_ainv, BV=bv9, stages=cfg.state_sm90_stages)
+                from_ainv=from_ainv, BV=bv9, stages=cfg.state_sm90_stages, pdl=cfg.pdl)
             return
         _launch(_chunk_state_kernel, (cdiv(Vd, bv) + n_extra, HV, S),
                 k, vv, bb, aa, ww, uu, g_cum, rk_arg, h_out if h_out is not None else dummy,
@@ -538,7 +538,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
             (cdiv(V, bvs) + cdiv(K, bvs), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, None, None, trans,
             hloc, ci.chunk_offsets, ci.chunk_offsets, plan.segments, cu, ci.chunk_offsets, T, 0, S, sb, st, vl,
             H=H, HV=HV, K=K, V=V, use_l2=l2, is_varlen=ci.is_varlen, INIT=3, H0_BY_SEG=False, H0_INDEXED=False,
-            HT_BY_SEG=True, HT_INDEXED=False, from_ainv=from_ainv, BV=bvs, stages=cfg.state_sm90_stages)
+            HT_BY_SEG=True, HT_INDEXED=False, from_ainv=from_ainv, BV=bvs, stages=cfg.state_sm90_stages,
+            pdl=cfg.pdl)
     else:
         launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, st, vl, n_extra=cdiv(K, BV), INIT=3,
                H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True, HT_INDEXED=False)
