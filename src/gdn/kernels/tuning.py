@@ -219,6 +219,11 @@ class ChunkBackward:
     # tl.dot input precision for fp32 operands, and of the segment merge
     fp32_dot: str = "ieee"
     merge_dot: str = "tf32x3"
+    # ... the merge's products for 16-bit inputs, and how deep its loop over segments is pipelined (the next
+    # transition and local gradient copied into shared memory while a step computes), as the forward merge's. H100,
+    # 1x65536 2/8 fwd + bwd: merge 23.0 -> 14.7 us (bench/results/bwd_merge_tf32_h100.json)
+    merge_dot_16bit: str = "tf32"
+    merge_stages: int = 2
     # V columns per program of that merge (8 warps, the whole K x K transition per step); 64 before the forward merge's
     # sweep showed narrower tiles with more programs per step faster (bench/NOTES.md, Kept table 2026-11-26)
     merge_BV: int = 16

@@ -143,10 +143,11 @@ def chunk_bwd_dh_kernel(
 def chunk_bwd_dh_merge_kernel(
     dht, dh0, trans, rloc, xin, seg_offsets,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr, PREC: tl.constexpr,
+    HAS_DHT: tl.constexpr, HAS_DH0: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr = 1,
 ):
     """Segmented reverse pass, step 3 (sequential over the segments of one sequence, last to first):
-    ``xin[s]`` <- X (gradient of the state leaving segment s), ``X <- P_s X + R_s``; finally ``dh0`` <- X."""
+    ``xin[s]`` <- X (gradient of the state leaving segment s), ``X <- P_s X + R_s``; finally ``dh0`` <- X. X stays in
+    registers; the loop is pipelined STAGES deep (step s - 1's P and R loaded while step s computes)."""
     i_v = tl.program_id(0)
     i_hv = tl.program_id(1)
     i_n = tl.program_id(2).to(tl.int64)
@@ -162,7 +163,7 @@ def chunk_bwd_dh_merge_kernel(
     b_x = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_DHT:
         b_x += tl.load(dht + (i_n * HV + i_hv) * K * V + o_s, mask=m_s, other=0.0).to(tl.float32)
-    for it in range(0, s_end - s_beg):
+    for it in tl.range(0, s_end - s_beg, num_stages=STAGES):
         i_s = (s_end - 1 - it).to(tl.int64)
         tl.store(xin + (i_s * HV + i_hv) * K * V + o_s, b_x, mask=m_s)
         b_p = tl.load(trans + (i_s * HV + i_hv) * K * K + o_p, mask=m_p, other=0.0)
@@ -266,11 +267,13 @@ def chunk_bwd_dh(q, k, w, g_cum, do, dht, scale, cu_seqlens, chunk_size, use_qk_
     rev_pass(None, rloc, V, INIT=0, HAS_R=True, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True)
     rev_pass(None, trans, K, INIT=3, HAS_R=False, STORE_STEPS=False, STORE_END=True, END_BY_SEG=True)
     # (3) sequential merge over segments (K x K times K x V per segment)
-    BVM = min(int(tuning.chunk_bwd(dev).merge_BV), max(16, next_pow2(V)))
+    bcfg = tuning.chunk_bwd(dev)
+    BVM = min(int(bcfg.merge_BV), max(16, next_pow2(V)))
+    prec = "ieee" if acc_t == torch.float64 else (bcfg.merge_dot_16bit if q.dtype in (torch.bfloat16, torch.float16)
+                                                  else bcfg.merge_dot)
     launch(chunk_bwd_dh_merge_kernel, (cdiv(V, BVM), HV, ci.N),
         dht, dh0, trans, rloc, xin, seg_offsets, HV=HV, K=K, V=V, BK=BK, BV=BVM, HAS_DHT=dht is not None,
-        HAS_DH0=need_dh0, PREC="ieee" if acc_t == torch.float64 else tuning.chunk_bwd(dev).merge_dot,
-        num_warps=8)
+        HAS_DH0=need_dh0, PREC=prec, STAGES=int(bcfg.merge_stages), num_warps=8)
     # (4) the final pass of every segment from its true end gradient, storing gs and dvn
     rev_pass(xin, None, V, INIT=2, HAS_R=True, STORE_STEPS=True, STORE_END=False, END_BY_SEG=True)
     return gs, dvn, dh0
