@@ -569,7 +569,8 @@ def compile_redo(**flags):
     import triton.language as tl
     from .kernels.chunk import prepare
 
-    bf, f32, i32 = torch.empty(4, dtype=torch.bfloat16), torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
+    bf, f32 = torch.empty(4, dtype=torch.bfloat16), torch.empty(4, dtype=torch.float32)
+    i32 = torch.empty(4, dtype=torch.int32)
     args = dict(flags=torch.empty(4, dtype=torch.int8), n_items=1000, k=bf, beta=bf, gcum=f32, ainv=bf, w=bf,
                 chunk_indices=i32, cu_seqlens=i32, T=4096, s_kb=0, s_kt=256, s_kh=128, s_bb=0, s_bt=2, s_bh=1)
     cx = dict(H=2, HV=4, K=128, BK=64, USE_L2=True, IS_VARLEN=True, STORE_W=False, DT=tl.bfloat16, BLOCK=128, PDL=0)

@@ -259,7 +259,8 @@ def test_pdl_args_only_for_cuda_sm90_outside_the_interpreter(monkeypatch):
     assert L.pdl_args(1, torch.device("cpu")) == {}
     assert L.pdl_args(0, cuda) == {}
     monkeypatch.setattr(L, "triton_interpret", lambda: False)
-    for cap, want in (((8, 0), {}), ((9, 0), {"PDL": 2, "launch_pdl": True}), ((10, 0), {"PDL": 2, "launch_pdl": True})):
+    on = {"PDL": 2, "launch_pdl": True}
+    for cap, want in (((8, 0), {}), ((9, 0), on), ((10, 0), on)):
         monkeypatch.setattr(L, "_PDL_DEVICES", {})
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx, c=cap: c)
         assert L.pdl_args(2, cuda) == want
