@@ -3,9 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-from .launch import launch
+from .launch import gdc_launch_dependents, gdc_wait, launch
 
 
 @triton.jit

@@ -37,6 +37,11 @@ from triton import knobs as _knobs
 from ..config import triton_interpret
 from . import _compat
 
+try:  # grid dependency control (programmatic dependent launch), in triton.language.extra.cuda from 3.6 on
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover - a release without it: no kernel is launched with PDL
+    gdc_launch_dependents = gdc_wait = None
+
 try:  # Triton's own stream query (torch's raw current stream), as JITFunction.run uses
     from torch._C import _cuda_getCurrentRawStream as _raw_stream
 except ImportError:  # pragma: no cover - CPU-only torch builds
@@ -250,7 +255,7 @@ def pdl_args(level: int, device) -> dict:
     constexpr, read by ``pdl_enter`` as the kernel's first statement: 1 waits for the kernel before it, 2 also lets
     the next one start): ``{"PDL": level, "launch_pdl": True}`` on sm_90 and newer outside the interpreter, else {}
     (the kernel's PDL default 0: an ordinary launch)."""
-    if not level or triton_interpret() or getattr(device, "type", "cpu") != "cuda":
+    if not level or gdc_wait is None or triton_interpret() or getattr(device, "type", "cpu") != "cuda":
         return {}
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _PDL_DEVICES.get(idx)

@@ -51,7 +51,7 @@ if G.AVAILABLE:
     tma, mbarrier, tma_load, tma_store = G.tma, G.mbarrier, G.tma_load, G.tma_store
     cta_barrier = G.cta_barrier
     fence_async_shared, warpgroup_mma, warpgroup_mma_wait = G.fence_async_shared, G.warpgroup_mma, G.warpgroup_mma_wait
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from ..launch import gdc_launch_dependents, gdc_wait
 
     @gluon.jit
     def pdl_enter(PDL: gl.constexpr):
