@@ -28,7 +28,8 @@ def pdl_enter(PDL: tl.constexpr):
     """A kernel's first statement where it may be launched with programmatic dependent launch
     (:func:`gdn.kernels.launch.pdl_args`): PDL >= 1 waits until the kernel before it in the stream has finished and
     its writes are visible (nothing of global memory may be touched before); PDL >= 2 then lets the next kernel's
-    CTAs start (they wait in their own ``pdl_enter``). PDL 0: nothing (the interpreter, launches without PDL)."""
+    CTAs start (they wait in their own ``pdl_enter``). PDL 0: nothing (the interpreter, launches without PDL). Gluon
+    kernels call it too (the wait is a Triton builtin both front ends lower; gdn.aot builds them on 3.6 and 3.9)."""
     if PDL >= 1:
         gdc_wait()
     if PDL >= 2:

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 
 from .. import _gluon_api as G
+from ..common import pdl_enter
 from ..tuning import capability
 from ..launch import launch, pdl_args
 
@@ -51,16 +52,6 @@ if G.AVAILABLE:
     tma, mbarrier, tma_load, tma_store = G.tma, G.mbarrier, G.tma_load, G.tma_store
     cta_barrier = G.cta_barrier
     fence_async_shared, warpgroup_mma, warpgroup_mma_wait = G.fence_async_shared, G.warpgroup_mma, G.warpgroup_mma_wait
-    from ..launch import gdc_launch_dependents, gdc_wait
-
-    @gluon.jit
-    def pdl_enter(PDL: gl.constexpr):
-        """``gdn.kernels.common.pdl_enter`` for Gluon kernels: the first statement of a kernel that may be launched
-        with programmatic dependent launch (PDL 1: wait for the kernel before it; 2: then let the next one start)."""
-        if PDL >= 1:
-            gdc_wait()
-        if PDL >= 2:
-            gdc_launch_dependents()
 
     @gluon.jit
     def _gram_rnorm(gram, diag):

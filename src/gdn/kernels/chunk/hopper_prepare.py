@@ -34,13 +34,14 @@ from __future__ import annotations
 import torch
 
 from .. import _gluon_api as G
+from ..common import pdl_enter
 from ..launch import launch, pdl_args
 from ..tuning import capability
 from .hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok
 
 if G.AVAILABLE:
     from .hopper import _decay_tile, _gram_rnorm, _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, \
-        pdl_enter, tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait
+        tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait
 
     _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(G.PUBLIC_REINTERPRET)
 
