@@ -540,13 +540,13 @@ FUSED_T_CONFIGS = [dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_IN
 
 # the sm_90 forward's launches with programmatic dependent launch (chunk_fwd.pdl): each build's PTX is also checked
 # for its wait coming before any global memory access (pdl_problem)
-PREPARE_CONFIGS += [dict(maxnreg=128, PDL=1), dict(maxnreg=168, PDL=1)]
+PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True), dict(maxnreg=168, PDL=True)]
 HOPPER_CONFIGS += [dict(BV=64, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False, STORE_H=False,
-                        STORE_VNEW=False, STORE_FINAL=False, PDL=1)]
-FUSED_CONFIGS += [dict(BV=bv, PDL=1) for bv in (16, 32, 64)] + \
+                        STORE_VNEW=False, STORE_FINAL=False, PDL=True)]
+FUSED_CONFIGS += [dict(BV=bv, PDL=True) for bv in (16, 32, 64)] + \
     [dict(BV=64, INIT=1, IS_VARLEN=True, H0_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,
-          STORE_FINAL=False, PDL=1)]
-FUSED_T_CONFIGS += [dict(PDL=1)]
+          STORE_FINAL=False, PDL=True)]
+FUSED_T_CONFIGS += [dict(PDL=True)]
 
 
 def compile_merge(**flags):
@@ -558,7 +558,7 @@ def compile_merge(**flags):
     args = dict(h0=f32, ht=f32, h0_idx=i32, ht_idx=i32, trans=f32, hloc=f32, hs=f32, seg_offsets=i32, P0=4, P1=4,
                 s0n=16384, s0h=2048, s0k=128, s0v=1, s1n=16384, s1h=2048, s1k=128, s1v=1)
     cx = dict(HV=8, K=128, V=128, BK=128, BV=16, HAS_H0=True, H0_INDEXED=True, STORE_FINAL=True, HT_INDEXED=True,
-              PREC="tf32", STAGES=2, PDL=0)
+              PREC="tf32", STAGES=2, PDL=False)
     cx.update(flags)
     return compile_gluon(segments._chunk_merge_kernel, args, cx, num_warps=8, options={"num_stages": 2})
 
@@ -573,13 +573,13 @@ def compile_redo(**flags):
     i32 = torch.empty(4, dtype=torch.int32)
     args = dict(flags=torch.empty(4, dtype=torch.int8), n_items=1000, k=bf, beta=bf, gcum=f32, ainv=bf, w=bf,
                 chunk_indices=i32, cu_seqlens=i32, T=4096, s_kb=0, s_kt=256, s_kh=128, s_bb=0, s_bt=2, s_bh=1)
-    cx = dict(H=2, HV=4, K=128, BK=64, USE_L2=True, IS_VARLEN=True, STORE_W=False, DT=tl.bfloat16, BLOCK=128, PDL=0)
+    cx = dict(H=2, HV=4, K=128, BK=64, USE_L2=True, IS_VARLEN=True, STORE_W=False, DT=tl.bfloat16, BLOCK=128, PDL=False)
     cx.update(flags)
     return compile_gluon(prepare._prepare_redo_kernel, args, cx, num_warps=4, options={"num_stages": 1})
 
 
 # portable kernels of the sm_90 forward's launch chain, built with PDL (their plain builds: the scenarios above)
-PDL_PORTABLE_BUILDS = [("merge", compile_merge, dict(PDL=1)), ("overflow redo", compile_redo, dict(PDL=1))]
+PDL_PORTABLE_BUILDS = [("merge", compile_merge, dict(PDL=True)), ("overflow redo", compile_redo, dict(PDL=True))]
 
 
 def pdl_problem(compiled) -> str:

@@ -252,20 +252,20 @@ class _Desc:
 
 def test_pdl_args_only_for_cuda_sm90_outside_the_interpreter(monkeypatch):
     """Programmatic dependent launch keywords: none on the CPU, in the interpreter, at level 0 or before sm_90; the
-    kernel's PDL level and Triton's launch_pdl option on sm_90 and newer."""
+    kernel's PDL switch and Triton's launch_pdl option on sm_90 and newer."""
     import types
 
     cuda = types.SimpleNamespace(type="cuda", index=0)
-    assert L.pdl_args(1, torch.device("cpu")) == {}
-    assert L.pdl_args(0, cuda) == {}
+    assert L.pdl_args(True, torch.device("cpu")) == {}
+    assert L.pdl_args(False, cuda) == {}
     monkeypatch.setattr(L, "triton_interpret", lambda: False)
-    on = {"PDL": 2, "launch_pdl": True}
+    on = {"PDL": True, "launch_pdl": True}
     for cap, want in (((8, 0), {}), ((9, 0), on), ((10, 0), on)):
         monkeypatch.setattr(L, "_PDL_DEVICES", {})
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx, c=cap: c)
-        assert L.pdl_args(2, cuda) == want
+        assert L.pdl_args(True, cuda) == want
     monkeypatch.setattr(L, "triton_interpret", lambda: True)
-    assert L.pdl_args(1, cuda) == {}
+    assert L.pdl_args(True, cuda) == {}
 
 
 def test_pdl_problem_reads_the_ptx_order():

@@ -3,7 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import gdc_launch_dependents, gdc_wait, launch
+from .launch import gdc_wait, launch
 
 
 @triton.jit
@@ -26,14 +26,12 @@ def gdn_gate_value(a, A_log, dt_bias):
 @triton.jit
 def pdl_enter(PDL: tl.constexpr):
     """A kernel's first statement where it may be launched with programmatic dependent launch
-    (:func:`gdn.kernels.launch.pdl_args`): PDL >= 1 waits until the kernel before it in the stream has finished and
-    its writes are visible (nothing of global memory may be touched before); PDL >= 2 then lets the next kernel's
-    CTAs start (they wait in their own ``pdl_enter``). PDL 0: nothing (the interpreter, launches without PDL). Gluon
-    kernels call it too (the wait is a Triton builtin both front ends lower; gdn.aot builds them on 3.6 and 3.9)."""
-    if PDL >= 1:
+    (:func:`gdn.kernels.launch.pdl_args`): with PDL, wait until the kernel before it in the stream has finished and
+    its writes are visible (nothing of global memory may be touched before); without (the interpreter, ordinary
+    launches), nothing. Gluon kernels call it too (the wait is a Triton builtin both front ends lower; gdn.aot builds
+    them on 3.6 and 3.9)."""
+    if PDL:
         gdc_wait()
-    if PDL >= 2:
-        gdc_launch_dependents()
 
 
 def next_pow2(n: int) -> int:

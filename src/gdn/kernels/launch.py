@@ -38,9 +38,9 @@ from ..config import triton_interpret
 from . import _compat
 
 try:  # grid dependency control (programmatic dependent launch), in triton.language.extra.cuda from 3.6 on
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+    from triton.language.extra.cuda import gdc_wait
 except ImportError:  # pragma: no cover - a release without it: no kernel is launched with PDL
-    gdc_launch_dependents = gdc_wait = None
+    gdc_wait = None
 
 try:  # Triton's own stream query (torch's raw current stream), as JITFunction.run uses
     from torch._C import _cuda_getCurrentRawStream as _raw_stream
@@ -250,18 +250,18 @@ def set_recorder(rec) -> None:
 _PDL_DEVICES: dict = {}
 
 
-def pdl_args(level: int, device) -> dict:
-    """Keyword arguments that launch a kernel with programmatic dependent launch at ``level`` (its ``PDL``
-    constexpr, read by ``pdl_enter`` as the kernel's first statement: 1 waits for the kernel before it, 2 also lets
-    the next one start): ``{"PDL": level, "launch_pdl": True}`` on sm_90 and newer outside the interpreter, else {}
-    (the kernel's PDL default 0: an ordinary launch)."""
-    if not level or gdc_wait is None or triton_interpret() or getattr(device, "type", "cpu") != "cuda":
+def pdl_args(on: bool, device) -> dict:
+    """Keyword arguments that launch a kernel with programmatic dependent launch when ``on``: its ``PDL`` constexpr
+    (``pdl_enter``, the kernel's first statement, then waits for the kernel before it) and Triton's launch_pdl
+    option, ``{"PDL": True, "launch_pdl": True}``, on sm_90 and newer outside the interpreter; else {} (the kernel's
+    PDL default False: an ordinary launch)."""
+    if not on or gdc_wait is None or triton_interpret() or getattr(device, "type", "cpu") != "cuda":
         return {}
     idx = device.index if device.index is not None else torch.cuda.current_device()
     ok = _PDL_DEVICES.get(idx)
     if ok is None:
         ok = _PDL_DEVICES[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
-    return {"PDL": int(level), "launch_pdl": True} if ok else {}
+    return {"PDL": True, "launch_pdl": True} if ok else {}
 
 
 def knobs_key() -> tuple:

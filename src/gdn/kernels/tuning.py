@@ -152,12 +152,13 @@ class ChunkForward:
     output_maxnreg: int = 0
     output_heads: int = 0
     # programmatic dependent launch of the sm_90 forward's kernels (prepare, overflow redo, segment pass, merge,
-    # fused pass; gdn.kernels.launch.pdl_args): 0 off, 1 each waits for the one before it as its first statement (its
-    # CTAs are launched while that one drains), 2 each also lets the next one start right after its wait. H100
-    # device time per forward, 0 / 1 / 2 (bench/results/fwd_pdl_ab_h100.json): 1x8192 4/8 120.0 / 111.4 / 114.2 us,
-    # 8/16 178.0 / 172.5 / 172.9, 16/32 259.1 / 253.7 / 254.7, 4x4096 16/32 375.1 / 369.7 / 369.1, 1x65536 2/8
-    # 678 / 665 / 683; 1 on sm_90 (other GPUs untested: 0)
-    pdl: int = 0
+    # fused pass; gdn.kernels.launch.pdl_args): each waits for the one before it as its first statement (its CTAs are
+    # launched while that one drains). Lost (bench/NOTES.md): each also letting the next one start right after its
+    # wait ("2" below), for all kernels or for the small redo / merge only. H100
+    # device time per forward, off / on / "2" (bench/results/fwd_pdl_ab_h100.json): 1x8192 4/8 120.0 / 111.4 / 114.2
+    # us, 8/16 178.0 / 172.5 / 172.9, 16/32 259.1 / 253.7 / 254.7, 4x4096 16/32 375.1 / 369.7 / 369.1, 1x65536 2/8
+    # 678 / 665 / 683; on for sm_90 (other GPUs untested: off)
+    pdl: bool = False
     # merge kernel of the segmented state pass: one program per (16-column V tile, value head, sequence) steps through
     # the segments; H200, 1x65536 2/8 with 8 segments (gdn profile --forward, GDN_TUNE sweep): BV 64 / BK 64 / 4 warps
     # 96.6 us, BV 32 50.7, BV 16 39.8, BV 32 / BK 128 / 8 warps 36.5, BV 16 / BK 128 / 8 warps 28.7
@@ -296,7 +297,7 @@ class DecodeStep:
 # the tables: {capability: row} or {(capability, shape class): row}
 # ----------------------------------------------------------------------------------------------------------------------
 TABLES: Dict[str, dict] = {
-    "chunk_fwd": {"default": ChunkForward(), "sm_90": ChunkForward(state_stages=3, pdl=1)},
+    "chunk_fwd": {"default": ChunkForward(), "sm_90": ChunkForward(state_stages=3, pdl=True)},
     "chunk_bwd": {"default": ChunkBackward()},
     # H200 sweeps at K = V = 128 (bench/NOTES.md, decode): shape classes by N * HV and state bytes
     "decode": {

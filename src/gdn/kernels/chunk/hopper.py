@@ -423,7 +423,7 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, NS: gl.constexpr,
-        FROM_AINV: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = 0,
+        FROM_AINV: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """The state pass: h per chunk (TMA store), v_new, the final state; one program per (V tile, value head,
         segment), 4 warps."""
@@ -465,7 +465,7 @@ if G.AVAILABLE:
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
         NS: gl.constexpr, OUT_REGS: gl.constexpr, LREGS: gl.constexpr, TMA_WARP: gl.constexpr,
-        num_warps: gl.constexpr, PK: gl.constexpr = False, PDL: gl.constexpr = 0,
+        num_warps: gl.constexpr, PK: gl.constexpr = False, PDL: gl.constexpr = False,
     ):
         """State pass and output in one kernel: per (V tile, value head, segment) a state partition (the default 4
         warps, :func:`_state_steps`) and an output partition (4 more warps, :func:`_output_steps`) that computes the
@@ -675,7 +675,7 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
         HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, WREGS: gl.constexpr,
-        LREGS: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = 0,
+        LREGS: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
     ):
         """The fused state + output pass with the state transposed and held in registers, over V tile BV = 128 as two
         warpgroup partitions (``_t_steps``, 64 rows of S^T [BV, K] each) fed by a one-warp load partition
@@ -814,12 +814,12 @@ def _desc_defaults() -> dict:
 def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0_idx, ht_idx, segments,
                       cu_seqlens, chunk_offsets, T, P0, P1, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen,
                       INIT, H0_BY_SEG, H0_INDEXED, HT_BY_SEG, HT_INDEXED, from_ainv=True, BV=64, stages=2,
-                      num_warps=4, pdl=0):
+                      num_warps=4, pdl=False):
     """Launch the sm_90 state pass over ``grid`` = (V // BV, HV, segments) (INIT 3: (V // BV + K // BV, HV,
     segments), local states to ``ht`` and transitions to ``h0``, row = segment); arguments as the portable kernel's
     (``supported`` must have said yes). ``from_ainv=False``: ``v`` is u and ``ainv`` is w (``v_new = u - w h``).
-    Tensors that a mode does not use may be any placeholder tensor. ``pdl``: programmatic dependent launch level
-    (:func:`gdn.kernels.launch.pdl_args`; 0: an ordinary launch)."""
+    Tensors that a mode does not use may be any placeholder tensor. ``pdl``: programmatic dependent launch
+    (:func:`gdn.kernels.launch.pdl_args`; False: an ordinary launch)."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
@@ -858,7 +858,7 @@ def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
                       cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
                       H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, h_out=None, vnew=None, chunk_offsets=None,
-                      transposed=False, load_warp=False, scale=1.0, pdl=0):
+                      transposed=False, load_warp=False, scale=1.0, pdl=False):
     """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
     (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs; both None at V
     tile 32 / 64: the kernel forms them from q, k, g_cum, rk and ``scale``) and the final state;

@@ -98,7 +98,7 @@ def _chunk_prepare_kernel(
 def _prepare_redo_kernel(
     flags, n_items, k, beta, gcum, ainv, w, chunk_indices, cu_seqlens, T, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_L2: tl.constexpr,
-    IS_VARLEN: tl.constexpr, STORE_W: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
+    IS_VARLEN: tl.constexpr, STORE_W: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Ainv (and with STORE_W, W) of the (chunk, value head) items with a row flag set in ``flags`` (int8
     [n_items, 64], item = chunk * HV + value head), from the stored g_cum, with the tf32 solve: the sm_90 prepare's
@@ -352,11 +352,11 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
 
 def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor,
                     ainv: torch.Tensor, w: Optional[torch.Tensor], ci: ChunkIndex, cu_seqlens, T: int,
-                    use_qk_l2norm_in_kernel: bool, pdl: int = 0) -> None:
+                    use_qk_l2norm_in_kernel: bool, pdl: bool = False) -> None:
     """Ainv (and W when given) of the items flagged in ``flags`` (int8 [NT * HV, 64], a flag per row; item =
     chunk * HV + value head) recomputed in place with the tf32 solve from k, beta and the stored g_cum
     (:func:`_prepare_redo_kernel`): the sm_90 prepare's fp16 products overflowed there. One program per
-    ``chunk_fwd.redo_block`` items; ``pdl``: programmatic dependent launch level (:func:`.launch.pdl_args`)."""
+    ``chunk_fwd.redo_block`` items; ``pdl``: programmatic dependent launch (:func:`.launch.pdl_args`)."""
     H, K = k.shape[2], k.shape[3]
     HV = beta.shape[2]
     n = ci.NT * HV

@@ -54,7 +54,7 @@ def _chunk_merge_kernel(
     s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
     HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, H0_INDEXED: tl.constexpr, STORE_FINAL: tl.constexpr, HT_INDEXED: tl.constexpr,
-    PREC: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0,
+    PREC: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Sequential merge of one sequence's segment states, one V tile of one value head.
 
@@ -68,7 +68,7 @@ def _chunk_merge_kernel(
     3. STORE_FINAL: the last value -> ht[n] (row through ht_idx when HT_INDEXED).
 
     Layouts: trans [S, HV, K, K], hloc / hs [S, HV, K, V] fp32 contiguous; h0 / ht with strides (s0n, s0h, s0k, s0v)
-    / (s1n, ...), so either state layout. PDL: ``pdl_enter``'s level."""
+    / (s1n, ...), so either state layout. PDL: ``pdl_enter``'s switch."""
     pdl_enter(PDL)
     i_v = tl.program_id(0)
     i_hv = tl.program_id(1)
