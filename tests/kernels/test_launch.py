@@ -251,7 +251,7 @@ class _Desc:
 
 
 def test_pdl_args_only_for_cuda_sm90_outside_the_interpreter(monkeypatch):
-    """Programmatic dependent launch keywords: none on the CPU, in the interpreter, at level 0 or before sm_90; the
+    """Programmatic dependent launch keywords: none on the CPU, in the interpreter, when off or before sm_90; the
     kernel's PDL switch and Triton's launch_pdl option on sm_90 and newer."""
     import types
 

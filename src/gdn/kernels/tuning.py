@@ -154,7 +154,7 @@ class ChunkForward:
     # programmatic dependent launch of the sm_90 forward's kernels (prepare, overflow redo, segment pass, merge,
     # fused pass; gdn.kernels.launch.pdl_args): each waits for the one before it as its first statement (its CTAs are
     # launched while that one drains). Lost (bench/NOTES.md): each also letting the next one start right after its
-    # wait ("2" below), for all kernels or for the small redo / merge only. H100
+    # wait ("2" in the numbers that follow), for all kernels or for the small redo / merge only. H100
     # device time per forward, off / on / "2" (bench/results/fwd_pdl_ab_h100.json): 1x8192 4/8 120.0 / 111.4 / 114.2
     # us, 8/16 178.0 / 172.5 / 172.9, 16/32 259.1 / 253.7 / 254.7, 4x4096 16/32 375.1 / 369.7 / 369.1, 1x65536 2/8
     # 678 / 665 / 683; on for sm_90 (other GPUs untested: off)
