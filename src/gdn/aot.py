@@ -205,7 +205,7 @@ def _scenarios():
                           torch.zeros((N + 1) * HVk, dtype=torch.int64), scale=K ** -0.5, eps=1e-6,
                           k_last=layout == "k_last")
 
-    def prepare_redo(with_w):
+    def prepare_redo(with_w, packed=False):
         # the sm_90 prepare's overflow redo (a portable kernel launched only on the sm_90 path)
         from gdn.kernels.chunk.plan import get_chunk_index
         from gdn.kernels.chunk.prepare import redo_overflowed
@@ -214,10 +214,12 @@ def _scenarios():
         cu = torch.tensor([0, 1, 64, T], dtype=torch.int32)
         ci = get_chunk_index(cu, T, 1, 64, None, torch.device("cpu"))
         k, beta = rnd(1, T, H, K), torch.rand(1, T, HV).bfloat16()
+        ainv = rnd(1, T, HV, 128)[..., :64] if packed else rnd(1, T, HV, 64)    # packed: Ainv in o's rows
         redo_overflowed(torch.zeros(ci.NT * HV, 64, dtype=torch.int8), k, beta, torch.randn(1, T, HV),
-                        rnd(1, T, HV, 64), rnd(1, T, HV, K) if with_w else None, ci, cu, T, True)
+                        ainv, rnd(1, T, HV, K) if with_w else None, ci, cu, T, True)
 
-    out = [("prepare redo", lambda: prepare_redo(False)), ("prepare redo with W", lambda: prepare_redo(True))]
+    out = [("prepare redo", lambda: prepare_redo(False)), ("prepare redo with W", lambda: prepare_redo(True)),
+           ("prepare redo, Ainv packed in o", lambda: prepare_redo(False, True))]
     # the fused layer decode step: every decode_step table row (state dtype x layout), 1 and 2 value heads per key head
     for sd in (torch.float32, torch.bfloat16):
         for layout in ("v_last", "k_last"):
@@ -547,6 +549,9 @@ FUSED_CONFIGS += [dict(BV=bv, PDL=True) for bv in (16, 32, 64)] + \
     [dict(BV=64, INIT=1, IS_VARLEN=True, H0_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,
           STORE_FINAL=False, PDL=True)]
 FUSED_T_CONFIGS += [dict(PDL=True)]
+# Ainv and P packed into o's rows (head pitch 128: chunk_fwd.state_sm90_fused_t_packed), as the forward launches them
+PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, AP=128), dict(maxnreg=168, PDL=True, AP=128)]
+FUSED_T_CONFIGS += [dict(PDL=True, AP=128)]
 
 
 def compile_merge(**flags):
@@ -579,7 +584,8 @@ def compile_redo(**flags):
 
 
 # portable kernels of the sm_90 forward's launch chain, built with PDL (their plain builds: the scenarios above)
-PDL_PORTABLE_BUILDS = [("merge", compile_merge, dict(PDL=True)), ("overflow redo", compile_redo, dict(PDL=True))]
+PDL_PORTABLE_BUILDS = [("merge", compile_merge, dict(PDL=True)), ("overflow redo", compile_redo, dict(PDL=True)),
+                       ("overflow redo, Ainv packed in o", compile_redo, dict(PDL=True, AP=128))]
 
 
 def pdl_problem(compiled) -> str:

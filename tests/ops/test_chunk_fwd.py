@@ -876,11 +876,13 @@ def test_prepare_dispatch_sm90(monkeypatch, with_q, g_is_cumsum, ainv_dtype, sm9
         assert kw["H"] == H and kw["HV"] == HV and kw["use_l2"]
 
 
-@pytest.mark.parametrize("with_w", [True, False])
-def test_prepare_redo_overflowed(with_w):
+@pytest.mark.parametrize("with_w, packed", [(True, False), (False, False), (False, True)])
+def test_prepare_redo_overflowed(with_w, packed):
     """redo_overflowed (the sm_90 prepare's overflow path): the flagged (chunk, value head) items' Ainv (and W) are
     recomputed from k, beta and the stored g_cum, equal to the portable prepare's; unflagged items are untouched
-    (their NaN poison stays); with no flag set nothing is written. Ragged varlen, GVA, the L2 norm."""
+    (their NaN poison stays); with no flag set nothing is written. Ragged varlen, GVA, the L2 norm. ``packed``: Ainv
+    is the first half of o-like [B, T, HV, 128] rows (the register-state forward's layout); the other half stays
+    untouched."""
     from gdn.kernels.chunk import prepare
     from gdn.kernels.chunk.plan import get_chunk_index
 
@@ -902,9 +904,11 @@ def test_prepare_redo_overflowed(with_w):
     for i in torch.randperm(len(items))[:len(items) // 2].tolist():
         flags[i, torch.randint(0, 64, ()).item()] = 1
     for fl in (flags, torch.zeros_like(flags)):
-        a_out = torch.full_like(ainv, float("nan"))
+        rows128 = torch.full((1, T, HV, 128), float("nan"), dtype=ainv.dtype)
+        a_out = rows128[..., :64] if packed else torch.full_like(ainv, float("nan"))
         w_out = torch.full_like(w, float("nan")) if with_w else None
         prepare.redo_overflowed(fl, x.k, x.beta, g_cum, a_out, w_out, ci, cu, T, True)
+        assert torch.isnan(rows128[..., 64:]).all()
         for i, (a, b, hv) in enumerate(items):
             if fl[i].any():
                 assert torch.equal(a_out[0, a:b, hv], ainv[0, a:b, hv])
@@ -975,6 +979,46 @@ def test_fused_kernel_keeps_states_when_asked(monkeypatch, fused_states):
         assert aux["v_new"].shape == x.v.shape
     else:
         assert aux["h"] is not None and aux["v_new"] is not None
+
+
+@pytest.mark.parametrize("packed, store_ainv", [(True, False), (False, False), (True, True)])
+def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, store_ainv):
+    """chunk_gated_delta_rule_fwd where the register-state kernel (V tile 128) takes the final pass and the sm_90
+    prepare runs (plan, support and launches emulated, launches recorded): with ``chunk_fwd.state_sm90_fused_t_packed``
+    an inference call has the prepare write Ainv and P into the two halves of o's own rows (views at head pitch 128;
+    the overflow redo told that pitch) and the fused launch reads them there and writes that o; the field off, or a
+    call that keeps Ainv (training), gets buffers of their own."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import forward, prepare, state
+
+    B, T, H, HV, K, V = 2, 130, 2, 4, 64, 128
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
+    prep, redo, fused = [], [], []
+
+    def plan(q, k, v, ci, seg, ckpt, states=False):
+        return 128, state._pass_plan(ci, HV, K, V, q.device, False, seg)[0]
+
+    monkeypatch.setattr(forward, "fused_output_plan", plan)
+    monkeypatch.setattr(prepare.hopper_prepare, "supported", lambda k, q, K, adt, prec: adt == k.dtype)
+    monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: prep.append(a))
+    monkeypatch.setattr(prepare, "_launch", lambda kernel, grid, *a, **kw: redo.append(kw))
+    monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: fused.append(a))
+    with tuning.override("chunk_fwd", state_sm90_fused_t_packed=packed, prepare_sm90=True):
+        o, _, aux = forward.chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, 0.125, None, False, None, 64,
+                                                       True, return_states=False, store_ainv=store_ainv)
+    (pa,), (fa,), (rkw,) = prep, fused, redo
+    ainv, p = pa[5], pa[7]                      # launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, ...)
+    assert fa[5] is ainv and fa[6] is p and fa[10] is o     # launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, ..)
+    assert ainv.shape == p.shape == (B, T, HV, 64)
+    if packed and not store_ainv:
+        es = o.element_size()
+        assert ainv.data_ptr() == o.data_ptr() and p.data_ptr() == o.data_ptr() + 64 * es
+        assert ainv.stride() == p.stride() == o.stride() and rkw.get("AP") == 128 and aux["ainv"] is None
+    else:
+        lo, hi = o.data_ptr(), o.data_ptr() + o.numel() * o.element_size()
+        assert not (lo <= ainv.data_ptr() < hi) and not (lo <= p.data_ptr() < hi)
+        assert ainv.is_contiguous() and p.is_contiguous() and "AP" not in rkw
+        assert aux["ainv"] is ainv
 
 
 @pytest.mark.parametrize("bv, seg, field, formed", [(64, -1, 64, True), (32, -1, 64, False), (64, 2, 64, False),

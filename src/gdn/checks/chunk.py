@@ -199,6 +199,67 @@ def chunk_sm90_vs_portable(device):
 
 
 @register
+def chunk_sm90_packed(device):
+    """Hopper only: the register-state forward (V tile 128) with Ainv and P written into the two halves of o's own
+    rows (``chunk_fwd.state_sm90_fused_t_packed``) against the same call with them in buffers of their own: o and
+    the final states bitwise equal (the same arithmetic on the same values: no Ainv / P left in o), and the packed
+    launch taken. A ragged varlen batch (lengths 0, 1, 63, 64, 65, ...) over a pool with a padding row, both layouts,
+    GVA, the L2 norm; without it, with one key of norm 300 in every chunk (the fp16 solve's overflow redo then
+    writes into o's rows); and a batched call."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return []
+    from ..kernels.chunk import chunk_gated_delta_rule_fwd
+    from ..kernels.chunk import prepare
+    from ..kernels.tuning import override
+
+    s = _shapes(device)
+    H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
+    real = prepare.hopper_prepare.launch_prepare
+    pitches = []
+
+    def spy(*a, **kw):
+        pitches.append(a[5].stride(2))      # launch_prepare(k, q, g, beta, g_cum, ainv, ...)
+        return real(*a, **kw)
+
+    out = []
+    cu = _cu(s["lens"], device)
+    N, T = len(s["lens"]), int(cu[-1])
+    for layout, l2, B in (("v_last", True, 1), ("k_last", True, 1), ("v_last", False, 1), ("v_last", True, 3)):
+        Tb = T if B == 1 else 200
+        x = make_inputs(B, Tb, H, HV, K, V, dtype=torch.bfloat16, device=device)
+        if not l2:
+            x.k[:, ::64, :, 0] = 300.0      # fp16 products overflow in every chunk: the redo path
+        n = N if B == 1 else B
+        shape = (n + 2, HV, K, V) if layout == "v_last" else (n + 2, HV, V, K)
+        pool0 = torch.randn(shape, device=device) * 0.5
+        idx = torch.randperm(n + 2, device=device)[:n].to(torch.int32)
+        idx[n // 2] = -1
+        res = []
+        for packed in (False, True):
+            pool = pool0.clone()
+            pitches.clear()
+            prepare.hopper_prepare.launch_prepare = spy
+            try:
+                with override("chunk_fwd", state_sm90_BV=128, segment_chunks=-1, state_sm90_fused_t_packed=packed):
+                    o, _, _ = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, pool, True,
+                                                         cu if B == 1 else None, use_qk_l2norm_in_kernel=l2,
+                                                         state_layout=layout, state_indices=idx, final_state=pool,
+                                                         return_states=False)
+            finally:
+                prepare.hopper_prepare.launch_prepare = real
+            res.append((o, pool, list(pitches)))
+        name = f"sm90 BV 128 Ainv / P packed in o, {layout}, l2={l2}, B={B}"
+        taken = res[0][2] == [64] and res[1][2] == [2 * 64]
+        out += [Result("chunk", f"{name}: packed {'as' if taken else 'NOT as'} asked", 0.0 if taken else float("inf"),
+                       0.0),
+                Result("chunk", name + " o bitwise", 0.0 if torch.equal(res[1][0], res[0][0]) else
+                       max(rel_err(res[1][0], res[0][0]), 1e-30), 0.0),
+                Result("chunk", name + " final states bitwise", 0.0 if torch.equal(res[1][1], res[0][1]) else
+                       max(rel_err(res[1][1], res[0][1]), 1e-30), 0.0)]
+    return out
+
+
+@register
 def chunk_sm90_segment_pass(device):
     """Hopper only: the segment pass of segmented runs (local states from zero and transitions, INIT 3) as the Gluon
     state pass against the portable one, on one ragged long sequence with an initial state, forced segments of 4 and

@@ -90,6 +90,10 @@ class ChunkForward:
     # at V tile 128 (hopper._chunk_fused_t_sm90_kernel: two warpgroups, each 64 rows of S^T in registers, every
     # chained operand a register A operand; state._fused_output_plan)
     state_sm90_fused_t: bool = True
+    # ... with Ainv and P written by the prepare into the two halves of o's own rows (head pitch 128; V = 128, o in
+    # the tensor-core dtype, an inference call): the kernel has a chunk's tiles in shared memory before it stores the
+    # chunk's o over them, so the call's peak holds no Ainv / P beside o (forward.py)
+    state_sm90_fused_t_packed: bool = True
     # ... also as the final pass of segmented plans (few heads over long sequences), with segments re-planned so that
     # its grid fits one wave (state._one_wave_len): no h / v_new in memory there either. H100 A/B in
     # bench/NOTES.md (kernel sums 1x8192 4/8 351 -> 206 us, 8/16 396 -> 341, 1x65536 2/8 1255 -> 1191)

@@ -25,7 +25,7 @@ from ..host_plan import planned
 from .common import CHUNK_SIZE, _check_chunk_size, _dot_dtype, _empty, _state_dtype
 from .output import chunk_output
 from .plan import prepare_chunk_indices
-from .prepare import chunk_fwd_prepare
+from .prepare import chunk_fwd_prepare, sm90_prepare_taken
 from .state import chunk_state_pass, fused_output_plan
 from .backward import wants_forward_w
 
@@ -49,7 +49,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     ``return_states=False``: the caller needs no h / v_new; on Hopper the state pass then computes the output itself
     (one kernel fewer, no h / v_new in memory) and aux["h"] / aux["v_new"] are None; such a call over more token x
     value heads than twice the ``chunk_fwd.piece_token_heads`` field runs in pieces (:func:`_forward_in_pieces`).
-    ``out``: o [B, T, HV, V] (contiguous, v's dtype) to write instead of a new tensor. ``keep_w`` (with
+    ``out``: o [B, T, HV, V] (contiguous, v's dtype) to write instead of a new tensor (on Hopper's register-state
+    path it holds Ainv and P until the state pass overwrites them with o; aux["ainv"] is then None). ``keep_w`` (with
     ``store_ainv``): the caller runs this package's backward next; the prepare stores W where that backward wants it
     (:func:`.backward.wants_forward_w`; aux["w"]: only the sm_90 prepare stores it, elsewhere aux["w"] is None).
     Host work is recorded and replayed per call key (:mod:`gdn.kernels.host_plan`)."""
@@ -83,15 +84,25 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     # q's L2 row scalings come out of the prepare kernel where it computes P (the fused kernel): the backward reads
     # them instead of launching l2_rnorm(q)
     rq = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and bv_fused and not pk) else None
+    # the register-state kernel of an inference call: Ainv and P as the two halves of o's own rows (they are read a
+    # chunk ahead of the o they become), so the call holds no Ainv / P beside o
+    o = packed = None
+    if bv_fused == 128 and not plan.segmented and not store_ainv and cfg.state_sm90_fused_t_packed and v.dtype == dt \
+            and v.shape[3] == 2 * CHUNK_SIZE and sm90_prepare_taken(k, q, dt, store_ainv=True, store_wu=False,
+                                                                     g_is_cumsum=False, ainv_dtype=a_dtype):
+        o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
+        packed = (o[..., :CHUNK_SIZE], o[..., CHUNK_SIZE:])
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
                              ainv_dtype=a_dtype, rk=rk, q=q if (bv_fused and not pk) else None, scale=scale, rq=rq,
-                             keep_w=bool(keep_w and store_ainv and from_ainv and wants_forward_w(q, k, v, ci)))
+                             keep_w=bool(keep_w and store_ainv and from_ainv and wants_forward_w(q, k, v, ci)),
+                             ainv_out=packed[0] if packed else None, p_out=packed[1] if packed else None)
     g_cum, ainv, w, u = prep[:4]
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     fuse = None
     if bv_fused:
-        o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
+        if o is None:
+            o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
         fuse = dict(q=q, p=None if pk else prep[4], qf=None if pk else prep[5], o=o, o_idx=state_indices, PO=P,
                     BV=bv_fused, plan=plan, states=return_states, scale=scale)
     h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
@@ -102,8 +113,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                     rk=rk, final_indices=final_indices, checkpoint_indices=checkpoint_indices,
                                     checkpoint_every=checkpoint_every, output=fuse)
     if fuse is not None:
-        return fuse["o"], ht, dict(g_cum=g_cum, ainv=ainv, h=h, v_new=v_new, chunk_index=ci, rk=rk, rq=rq,
-                                   w=w if from_ainv else None)
+        return fuse["o"], ht, dict(g_cum=g_cum, ainv=None if packed else ainv, h=h, v_new=v_new, chunk_index=ci,
+                                   rk=rk, rq=rq, w=w if from_ainv else None)
     if not store_ainv:
         # Ainv (or W / U) is dead once the state pass has read it: freed before the output kernel allocates o, so
         # the call's peak is o + h + v_new, not o + h + v_new + Ainv (stream order keeps the state pass's reads

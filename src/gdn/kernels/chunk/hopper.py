@@ -547,14 +547,15 @@ if G.AVAILABLE:
         k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
         beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-        USE_L2: gl.constexpr, NS: gl.constexpr,
+        USE_L2: gl.constexpr, NS: gl.constexpr, AP: gl.constexpr,
     ):
         """The register-state kernel's load partition (one warp): chunk c's k, v, Ainv, q and P tiles by TMA into ring
         stage c % NS, and its per-row gates into the stage's gate rows ``gt_s[8 (c % NS) + j]`` (fp32 [64] each;
         j = 0 g_cum, 1 beta, 2 r_k, 3 qf, 4 g_cum of the chunk's last valid row repeated), once both chain partitions
         have released the stage (``emp``: chunk c - NS done). A stage's ``bars`` barrier completes on two arrivals,
         the TMA's (with its bytes) and this warp's after the gate stores: the chain partitions neither issue copies
-        nor wait on global loads."""
+        nor wait on global loads. AP: the columns between two value heads' Ainv (and P) tiles in their descriptors'
+        rows (64: their own buffers; 128: packed into o's rows, ``launch_fused_pass``)."""
         C: gl.constexpr = 64
         i_h = i_hv // (HV // H)
         tok0 = i_b * T
@@ -562,7 +563,7 @@ if G.AVAILABLE:
         nbytes: gl.constexpr = (2 * C * K + C * BV + 2 * C * C) * (dt.primitive_bitwidth // 8)
         col_k = i_h * K
         col_v = i_hv * V + i_v * BV
-        col_a = i_hv * C
+        col_a = i_hv * AP
         lay: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
         t1 = gl.arange(0, C, layout=lay)
         for c in range(c_beg, c_end):
@@ -675,7 +676,7 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
         HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, WREGS: gl.constexpr,
-        LREGS: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
+        LREGS: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False, AP: gl.constexpr = 64,
     ):
         """The fused state + output pass with the state transposed and held in registers, over V tile BV = 128 as two
         warpgroup partitions (``_t_steps``, 64 rows of S^T [BV, K] each) fed by a one-warp load partition
@@ -688,7 +689,10 @@ if G.AVAILABLE:
             (k S)^T = S^T k^T;   r^T = (v^T - (k S)^T diag(e^g r_k)) diag(beta);   v_new^T = r^T Ainv^T
             o^T     = (S^T q^T) diag(qf) + v_new^T P^T;   S^T <- e^(g_last) S^T + (v_new^T diag(dec)) k
 
-        Same inputs and outputs as ``_chunk_fused_sm90_kernel`` without STORE_H / STORE_VNEW."""
+        Same inputs and outputs as ``_chunk_fused_sm90_kernel`` without STORE_H / STORE_VNEW. AP 128: Ainv and P of
+        (token, value head) are the two halves of o's row there (``launch_fused_pass``): a chunk's tiles are in shared
+        memory before either partition stores the chunk's o over them, and no other CTA reads those rows but as the
+        masked tail of a partial chunk."""
         C: gl.constexpr = 64
         HB: gl.constexpr = BV // 2
         pdl_enter(PDL)
@@ -721,7 +725,7 @@ if G.AVAILABLE:
                         O_INDEXED, NS)),
             (_t_loader, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
                          beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
-                         H, HV, K, V, BV, USE_L2, NS)),
+                         H, HV, K, V, BV, USE_L2, NS, AP)),
         ], [4, 1], [WREGS, LREGS])
 
 
@@ -755,6 +759,24 @@ def _rows2d_ok(x: torch.Tensor) -> bool:
     if not token_rows_ok(x):
         return False
     return (x.stride(1) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+
+
+def pitched_rows_ok(x: torch.Tensor) -> bool:
+    """Whether x [B, T, heads, D] (last dim contiguous) has its heads at one pitch P >= D within a token and its token
+    rows at one stride heads * P (a column slice of a contiguous [B, T, heads, P] buffer: Ainv and P packed into o's
+    rows), with a 16-byte aligned base, pitch and row pitch: the form :func:`_pitched_rows2d` views as TMA rows."""
+    B, T, Hh, D = x.shape
+    st = x.stride()
+    if st[3] != 1 or st[2] < D or st[1] != Hh * st[2] or (B > 1 and st[0] != T * st[1]):
+        return False
+    return (st[2] * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+
+
+def _pitched_rows2d(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, heads, D] (``pitched_rows_ok``) as the 2-D [B*T, (heads - 1) P + D] view whose row t holds head h's D
+    elements at columns h P ..; head pitch P = x.stride(2) (D for a contiguous x: :func:`_rows2d`'s view)."""
+    B, T, Hh, D = x.shape
+    return x.as_strided((B * T, (Hh - 1) * x.stride(2) + D), (x.stride(1), 1))
 
 
 def _rows2d(x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -865,16 +887,24 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     h [NT, HV, K, V] (k's dtype, with ``chunk_offsets``) and v_new [B, T, HV, V] only when given. ``o_idx``: the
     pool index whose invalid rows give zero outputs (None: every sequence is valid). Other arguments as
     :func:`launch_state_pass` (ainv mode). ``transposed`` (V tile 128, no h / v_new stores: :func:`transposed_ok`):
-    the register-state kernel ``_chunk_fused_t_sm90_kernel`` instead. ``load_warp``: the V tile 32 / 64 kernel's ring
+    the register-state kernel ``_chunk_fused_t_sm90_kernel`` instead; there Ainv and P may be the two column halves of
+    o's own [B, T, HV, 128] rows (views at head pitch 128, written by the prepare kernel: a call's peak then holds
+    no Ainv / P beside o). ``load_warp``: the V tile 32 / 64 kernel's ring
     filled by a load warp (``_tma_loader``) instead of its chain partition. ``pdl`` as :func:`launch_state_pass`'s."""
     dn = _GL_DT[k.dtype]
     B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
     v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
-    a_desc = _desc(ainv.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn)
+    # Ainv / P: their own contiguous buffers, or (register-state kernel) packed as the two halves of o's rows
+    ap = ainv.stride(2)
+    if ap != CHUNK and not (transposed and p is not None and p.stride(2) == ap and pitched_rows_ok(ainv)
+                            and pitched_rows_ok(p)):
+        raise ValueError("launch_fused_pass: Ainv / P at a head pitch other than 64 need the register-state kernel "
+                         "(V tile 128) and P at the same pitch")
+    a_desc = _desc(_pitched_rows2d(ainv), (CHUNK, CHUNK), dn)
     # p None (V tile 32 / 64): the output partition forms P and qf itself from q, k tiles (k's descriptor here)
-    p_desc = _desc(p.reshape(B * T, HV * CHUNK), (CHUNK, CHUNK), dn) if p is not None else k_desc
+    p_desc = _desc(_pitched_rows2d(p), (CHUNK, CHUNK), dn) if p is not None else k_desc
     if p is None and (transposed or rk is None and use_l2):
         raise ValueError("launch_fused_pass: P formed in the kernel needs V tile 32 / 64 and, with the L2 norm, rk")
     if transposed:
@@ -889,7 +919,7 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
             H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
             H0_INDEXED=H0_INDEXED, STORE_FINAL=ht is not None, HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED,
             O_INDEXED=o_idx is not None, NS=2, WREGS=T_CHAIN_REGS, LREGS=T_LOADER_REGS, num_warps=4,
-            **pdl_args(pdl, k.device))
+            **({"AP": ap} if ap != CHUNK else {}), **pdl_args(pdl, k.device))
         return
     # no h store: a descriptor is still an argument (never stored through)
     h_desc = _desc(h_out.view(-1, V), (K, BV), dn) if h_out is not None else q_desc

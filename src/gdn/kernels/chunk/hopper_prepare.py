@@ -37,7 +37,7 @@ from .. import _gluon_api as G
 from ..common import pdl_enter
 from ..launch import launch, pdl_args
 from ..tuning import capability
-from .hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok
+from .hopper import CHUNK, _GL_DT, _desc, _pitched_rows2d, _rows2d, _rows2d_ok, pitched_rows_ok
 
 if G.AVAILABLE:
     from .hopper import _decay_tile, _gram_rnorm, _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, \
@@ -226,7 +226,7 @@ if G.AVAILABLE:
         scale, s_gb, s_gt, s_gh, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
         STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, STORE_W: gl.constexpr,
-        num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False, PDL: gl.constexpr = False,
+        num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False, PDL: gl.constexpr = False, AP: gl.constexpr = 64,
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
@@ -234,7 +234,8 @@ if G.AVAILABLE:
         [B*T, H] fp32 (by the key head's first value head); STORE_W: the backward's W = Ainv diag(beta e^c r_k) k
         [B*T, HV, K] (k's dtype; from the stored, rounded Ainv, as the reverse pass's W_AINV form computes it).
         SOLVE_F16: ``flags`` int8 [NT * HV, 64] <- per row of the item's Ainv, 1 where its fp16 products overflowed
-        (the item's Ainv / W are then redone by ``prepare._prepare_redo_kernel``), else 0."""
+        (the item's Ainv / W are then redone by ``prepare._prepare_redo_kernel``), else 0. AP: elements between two
+        value heads' Ainv (and P) rows of one token (64: their own buffers; 128: packed into o's rows)."""
         C: gl.constexpr = 64
         pdl_enter(PDL)
         pid = gl.program_id(0)
@@ -319,7 +320,7 @@ if G.AVAILABLE:
             c_c = gl.convert_layout(c_r, cl)
         gam = _decay_tile(c_r, c_c, causal)
         gam = gam * rk_c[None, :]
-        row_off = (tok_r * HV + i_hv) * C
+        row_off = (tok_r * HV + i_hv) * AP
         if STORE_W:
             # W's column factors beta e^c r_k (0 past the sequence) through shared memory: not live in the solve
             fw_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -328,7 +329,7 @@ if G.AVAILABLE:
             qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_s, k_s])
             att = (qk * gam) * rq[:, None]
             p_st = gl.allocate_shared_memory(dt, [C, C], p_desc.layout)
-            _store_chunk_tile(p_desc, p_st, p_out, att.to(dt), tok0 + t0, i_hv * C, row_off, nv, C, num_warps)
+            _store_chunk_tile(p_desc, p_st, p_out, att.to(dt), tok0 + t0, i_hv * AP, row_off, nv, C, num_warps)
             gl.store(qf_out + tok_r * HV + i_hv, rq * gl.exp(c_r), mask=m_r)
         # A after P: Q K^T's accumulator is dead before A takes registers
         a = gl.where(tc[None, :] < tr[:, None], (kk * gam) * (b_r * rk_r)[:, None], 0.0)
@@ -372,7 +373,7 @@ if G.AVAILABLE:
         else:
             a_st = gl.allocate_shared_memory(dt, [C, C], a_desc.layout)
         cta_barrier()
-        _store_chunk_tile(a_desc, a_st, ainv, ai, tok0 + t0, i_hv * C, row_off, nv, C, num_warps)
+        _store_chunk_tile(a_desc, a_st, ainv, ai, tok0 + t0, i_hv * AP, row_off, nv, C, num_warps)
         if STORE_W:
             # W = (Ainv diag(beta e^c r_k)) k: one [64, 64] x [64, K] wgmma, the left operand from registers, k still
             # in shared memory (the solve's scratch did not take its bytes). Ainv's staging tile must be read by its
@@ -411,14 +412,19 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
     P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with q and the L2 norm; the caller
     passes it only then); ``w`` [B, T, HV, K] (contiguous, k's dtype): also W. ``solve_f16``: the fp16 solve, which
     writes the overflow flags ``flags`` (int8 [NT * HV, 64], one per row; the caller redoes the flagged items).
-    ``pdl``: programmatic dependent launch (:func:`gdn.kernels.launch.pdl_args`). Unused tensors may be None."""
+    ``pdl``: programmatic dependent launch (:func:`gdn.kernels.launch.pdl_args`). Unused tensors may be None.
+    Ainv and P [B, T, HV, 64]: contiguous, or views at one head pitch (``hopper.pitched_rows_ok``: the two halves of
+    o's rows, which the register-state kernel reads them from)."""
     if solve_f16 and (flags is None or flags.numel() < NT * HV * CHUNK):
         raise ValueError("launch_prepare: the fp16 solve needs flags, int8 [NT * HV, 64]")
+    ap = ainv.stride(2)
+    if not pitched_rows_ok(ainv) or (p is not None and (p.stride(2) != ap or not pitched_rows_ok(p))):
+        raise ValueError("launch_prepare: Ainv and P must be token rows at one head pitch (16-byte aligned)")
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn) if q is not None else k_desc
-    a_desc = _desc(_rows2d(ainv), (CHUNK, CHUNK), dn)
-    p_desc = _desc(_rows2d(p), (CHUNK, CHUNK), dn) if p is not None else a_desc
+    a_desc = _desc(_pitched_rows2d(ainv), (CHUNK, CHUNK), dn)
+    p_desc = _desc(_pitched_rows2d(p), (CHUNK, CHUNK), dn) if p is not None else a_desc
     launch(_chunk_prepare_sm90_kernel, (NT * HV,),
         k_desc, q_desc, a_desc, p_desc, g, beta, g_cum, ainv, rk if rk is not None else g_cum,
         rq if rq is not None else g_cum, p if p is not None else ainv,
@@ -427,7 +433,7 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
         cu_seqlens if cu_seqlens is not None else chunk_indices, T, float(scale), *s_g, *s_beta,
         H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
         STORE_P=q is not None, STORE_RQ=rq is not None, STORE_W=w is not None, num_warps=4, SOLVE_F16=bool(solve_f16),
-        **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(pdl, k.device))
+        **({"AP": ap} if ap != CHUNK else {}), **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(pdl, k.device))
 
 
 __all__ = ["supported", "launch_prepare"]

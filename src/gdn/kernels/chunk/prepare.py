@@ -99,11 +99,12 @@ def _prepare_redo_kernel(
     flags, n_items, k, beta, gcum, ainv, w, chunk_indices, cu_seqlens, T, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_L2: tl.constexpr,
     IS_VARLEN: tl.constexpr, STORE_W: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    AP: tl.constexpr = 64,
 ):
     """Ainv (and with STORE_W, W) of the (chunk, value head) items with a row flag set in ``flags`` (int8
     [n_items, 64], item = chunk * HV + value head), from the stored g_cum, with the tf32 solve: the sm_90 prepare's
     fp16 products overflowed there (raw keys of large norm; adversarial inputs only). One program per BLOCK items:
-    one vector load of their flags, nothing more where none is set."""
+    one vector load of their flags, nothing more where none is set. AP: Ainv's head pitch (``_prepare_item``)."""
     pdl_enter(PDL)
     base = tl.program_id(0) * BLOCK
     offs = base + tl.arange(0, BLOCK)
@@ -121,7 +122,7 @@ def _prepare_redo_kernel(
                                   s_kb, s_kt, s_kh, H=H, HV=HV, K=K, V=K, BK=BK, BV=BK, USE_L2=USE_L2,
                                   IS_VARLEN=IS_VARLEN, G_IS_CUM=True, STORE_G=False, STORE_A=True, LOAD_A=False,
                                   STORE_W=STORE_W, STORE_U=False, STORE_RK=False, STORE_P=False, DT=DT, PREC="tf32",
-                                  SOLVE_PREC="tf32", STORE_RQ=False)
+                                  SOLVE_PREC="tf32", STORE_RQ=False, AP=AP)
 
 
 @triton.jit
@@ -132,7 +133,7 @@ def _prepare_item(
     USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, G_IS_CUM: tl.constexpr, STORE_G: tl.constexpr,
     STORE_A: tl.constexpr, LOAD_A: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
     STORE_RK: tl.constexpr, STORE_P: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    STORE_RQ: tl.constexpr,
+    STORE_RQ: tl.constexpr, AP: tl.constexpr = 64,
 ):
     """Item ``pid`` = chunk * HV + value head: g_cum (chunk-local cumsum), A = strictLower(diag(beta r_k) (Gamma * K K^T)
     diag(r_k)) with r_k the L2 row scalings, Ainv = (I + A)^-1 (stored as [64, 64] rows of the [B, T, HV, 64] buffer),
@@ -141,7 +142,8 @@ def _prepare_item(
     P = causal(scale (r_q r_k^T) * Gamma * Q K^T) (i >= j; [B, T, HV, 64] like Ainv, rounded as the output kernel
     rounds it) and the row factors of its inter-chunk part, qf = scale r_q exp(g_cum) ([B, T, HV] fp32); with
     STORE_RQ (and the L2 norm) also r_q per key head ([B, T, H] fp32, as r_k), which the backward then reads instead
-    of computing it again."""
+    of computing it again. AP: elements between two value heads' Ainv rows of one token (64 but for the redo of
+    an Ainv packed into o's rows, 128)."""
     # one flat grid, value heads fastest: the HV // H programs sharing a key head's k (and q) tiles run side by side
     # and read them once from memory (grid order (NT, HV) was 4-5% slower on the H200)
     i_t = pid // HV
@@ -166,7 +168,7 @@ def _prepare_item(
     b_beta = tl.load(beta + i_b * s_bb + i_hv * s_bh + rows * s_bt, mask=m, other=0.0).to(tl.float32)
 
     k_base = k + i_b * s_kb + i_h * s_kh
-    a_ptr = ainv + trow[:, None] * 64 + to[None, :]
+    a_ptr = ainv + trow[:, None] * AP + to[None, :]
     if LOAD_A:
         b_ai = tl.load(a_ptr, mask=m[:, None], other=0.0).to(tl.float32)
         rk = tl.full([64], 1.0, tl.float32)
@@ -267,13 +269,25 @@ def _solve_precision(cfg, dt: torch.dtype, store_dtype: torch.dtype) -> str:
     return "tf32" if (dt in half and store_dtype in half) else "tf32x3"
 
 
+def sm90_prepare_taken(k: torch.Tensor, q: Optional[torch.Tensor], dt: torch.dtype, *, store_ainv: bool,
+                       store_wu: bool, g_is_cumsum: bool, ainv_dtype: torch.dtype,
+                       out_dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether :func:`chunk_fwd_prepare` with these arguments (``dt``: the tensor-core dtype of k and v) runs the
+    sm_90 Gluon prepare (else the portable kernel)."""
+    cfg = tuning.chunk_fwd(k.device)
+    solve_prec = _solve_precision(cfg, dt, ainv_dtype if store_ainv else (out_dtype or dt))
+    return bool(cfg.prepare_sm90 and store_ainv and not store_wu and not g_is_cumsum
+                and hopper_prepare.supported(k, q, k.shape[3], ainv_dtype, solve_prec))
+
+
 def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                       cu_seqlens: Optional[torch.Tensor] = None, chunk_size: int = CHUNK_SIZE,
                       use_qk_l2norm_in_kernel: bool = False, *, store_ainv: bool = True, store_wu: bool = True,
                       g_is_cumsum: bool = False, out_dtype: Optional[torch.dtype] = None,
                       chunk_index: Optional[ChunkIndex] = None, ainv_dtype: torch.dtype = torch.float32,
                       rk: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None, scale: float = 1.0,
-                      rq: Optional[torch.Tensor] = None, keep_w: bool = False):
+                      rq: Optional[torch.Tensor] = None, keep_w: bool = False,
+                      ainv_out: Optional[torch.Tensor] = None, p_out: Optional[torch.Tensor] = None):
     """Fused cumsum + K K^T + triangular solve + W/U.
 
     k [B, T, H, K], v [B, T, HV, V] (strided, last dim contiguous), g, beta [B, T, HV] (any float dtype; g log-space,
@@ -288,7 +302,8 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     On sm_90 the forward's launches (Ainv in k's 16-bit dtype, no W / U) run as the Gluon kernel of
     :mod:`.hopper_prepare` (``chunk_fwd.prepare_sm90``), followed by :func:`redo_overflowed` for its fp16 solve;
     there ``keep_w`` has it store the backward's W too (returned as w; elsewhere ``keep_w`` is ignored and w is
-    None).
+    None). ``ainv_out`` / ``p_out``: where that sm_90 launch writes Ainv / P instead of new buffers ([B, T, HV, 64]
+    views at one head pitch, e.g. the two halves of o's rows; only where :func:`sm90_prepare_taken` says so).
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
@@ -301,10 +316,16 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     g_cum = g if (g_is_cumsum and g.dtype == torch.float32 and g.is_contiguous()) else \
         _empty(B, T, HV, device=dev, dtype=torch.float32)
     store_g = g_cum is not g
-    ainv = _empty(B, T, HV, CHUNK_SIZE, device=dev, dtype=ainv_dtype) if store_ainv else None
+    if ainv_out is not None or p_out is not None:
+        if not sm90_prepare_taken(k, q, dt, store_ainv=store_ainv, store_wu=store_wu, g_is_cumsum=g_is_cumsum,
+                                  ainv_dtype=ainv_dtype, out_dtype=out_dtype) \
+                or ainv_out is None or (p_out is None) != (q is None):
+            raise ValueError("chunk_fwd_prepare: ainv_out / p_out are for the sm_90 prepare's Ainv and (with q) P")
+    ainv = ainv_out if ainv_out is not None else (
+        _empty(B, T, HV, CHUNK_SIZE, device=dev, dtype=ainv_dtype) if store_ainv else None)
     w = _empty(B, T, HV, K, device=dev, dtype=out_dtype) if store_wu else None
     u = _empty(B, T, HV, V, device=dev, dtype=out_dtype) if store_wu else None
-    p = _empty(B, T, HV, CHUNK_SIZE, device=dev, dtype=dt) if q is not None else None
+    p = p_out if p_out is not None else (_empty(B, T, HV, CHUNK_SIZE, device=dev, dtype=dt) if q is not None else None)
     qf = _empty(B, T, HV, device=dev, dtype=torch.float32) if q is not None else None
     extra = (p, qf) if q is not None else ()
     if ci.NT == 0 or HV == 0:
@@ -313,8 +334,8 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     store_rk = rk is not None and bool(use_qk_l2norm_in_kernel)
     store_rq = rq is not None and q is not None and bool(use_qk_l2norm_in_kernel)
     solve_prec = _solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype)
-    if cfg.prepare_sm90 and store_ainv and not store_wu and not g_is_cumsum \
-            and hopper_prepare.supported(k, q, K, ainv_dtype, solve_prec):
+    if sm90_prepare_taken(k, q, dt, store_ainv=store_ainv, store_wu=store_wu, g_is_cumsum=g_is_cumsum,
+                          ainv_dtype=ainv_dtype, out_dtype=out_dtype):
         w = _empty(B, T, HV, K, device=dev, dtype=dt) if keep_w else None
         f16 = bool(cfg.solve_sm90_f16)
         flags = torch.empty(ci.NT * HV, CHUNK_SIZE, device=dev, dtype=torch.int8) if f16 else None
@@ -356,9 +377,15 @@ def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_
     """Ainv (and W when given) of the items flagged in ``flags`` (int8 [NT * HV, 64], a flag per row; item =
     chunk * HV + value head) recomputed in place with the tf32 solve from k, beta and the stored g_cum
     (:func:`_prepare_redo_kernel`): the sm_90 prepare's fp16 products overflowed there. One program per
-    ``chunk_fwd.redo_block`` items; ``pdl``: programmatic dependent launch (:func:`.launch.pdl_args`)."""
+    ``chunk_fwd.redo_block`` items; ``pdl``: programmatic dependent launch (:func:`.launch.pdl_args`). Ainv
+    [B, T, HV, 64]: contiguous or at a head pitch of its own (packed into o's rows: ``chunk_fwd_prepare``'s
+    ``ainv_out``)."""
     H, K = k.shape[2], k.shape[3]
     HV = beta.shape[2]
+    B, T_ = ainv.shape[:2]
+    ap = ainv.stride(2)
+    if ainv.stride(3) != 1 or ainv.stride(1) != HV * ap or (B > 1 and ainv.stride(0) != T_ * ainv.stride(1)):
+        raise ValueError("redo_overflowed: ainv must be token rows at one head pitch")
     n = ci.NT * HV
     block = int(tuning.chunk_fwd(k.device).redo_block)
     _launch(_prepare_redo_kernel, (cdiv(n, block),),
@@ -366,7 +393,7 @@ def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_
             _cu_arg(cu_seqlens, ci.chunk_offsets), T, *_strides3(k), *_strides3(beta),
             H=H, HV=HV, K=K, BK=min(64, _pow2(K)), USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
             STORE_W=w is not None, DT=_TL[_dot_dtype(k, k)], BLOCK=block, num_warps=4, num_stages=1,
-            **pdl_args(pdl, k.device))
+            **({"AP": ap} if ap != CHUNK_SIZE else {}), **pdl_args(pdl, k.device))
 
 
 def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = CHUNK_SIZE, cu_seqlens: Optional[torch.Tensor] = None,

@@ -458,7 +458,10 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         initial_state.shape[0] if initial_state is not None else 0))
     cu = _cu_arg(cu_seqlens, ci.chunk_offsets)
     if from_ainv:
-        vv, bb, aa, ww, uu = v, beta, ainv.contiguous(), dummy, dummy
+        # (the register-state kernel reads an Ainv packed into o's rows as it is: hopper.launch_fused_pass)
+        packed = fused and bv_fused == 128 and ainv.stride(2) != ainv.shape[3]
+        mats = ainv if packed else ainv.contiguous()
+        vv, bb, aa, ww, uu = v, beta, mats, dummy, dummy
         sv, sb = _strides3(v), _strides3(beta)
     else:
         vv, bb, aa, ww, uu = dummy, dummy, dummy, w, (u if u is not None else dummy)
@@ -480,7 +483,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         if fused and n_extra == 0:
             # Hopper: state pass and output in one warp-specialized kernel (hopper.py)
             hopper.launch_fused_pass(
-                (cdiv(V, bv_fused), HV, S), output["q"], k, xs, bb, mats.contiguous(), output["p"],
+                (cdiv(V, bv_fused), HV, S), output["q"], k, xs, bb, mats, output["p"],
                 output["qf"], g_cum, rk_arg, output["o"], h0, ht_, h0_idx if h0_idx is not None else ci.chunk_offsets,
                 ht_idx if ht_idx is not None else ci.chunk_offsets, output["o_idx"], plan.segments, cu, T, P0, P1,
                 output["PO"], sb, s0, s1, H=H, HV=HV, K=K, V=V, use_l2=l2,
