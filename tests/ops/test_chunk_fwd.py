@@ -324,6 +324,38 @@ def test_fused_forward_segments_by_the_cost_model(monkeypatch, T, HV, want):
         assert plan.segmented
 
 
+@pytest.mark.parametrize("T, HV, want", [
+    (8192, 8, (64, 16)),        # 4/8: V tile 128 at 16 segments of 8 lost (H100 device time 111.5 -> 122-126 us)
+    (16384, 8, (64, 32)),       # lost there too (191.7 -> 198.2)
+    (32768, 8, (128, 32)),      # 4/8 350.5 -> 339.1 us; 2/8 349.6 -> 330.9
+    (65536, 8, (128, 64)),      # 2/8 666.8 -> 606.6; 4/8 659.4 -> 616.3
+    (16384, 16, (32, None)),    # 8/16: plain kept (327.6; V tile 128 at 8 segments 332.5)
+    (32768, 16, (128, 64)),     # 8/16 642.1 -> 617.4
+    (65536, 16, (128, 128)),    # 8/16 1277.3 -> 1189.2
+    (32768, 32, (32, None)),    # 16/32: the plain pass fits one wave
+])
+def test_fused_forward_segments_register_state_candidate(monkeypatch, T, HV, want):
+    """With the register-state kernel allowed (``wide``: no h / v_new kept), state._fused_segments also weighs its
+    one-wave segments at V tile 128 (``state_sm90_t_step_cost`` per final-pass step): taken for long few-head
+    sequences, where the H100 measured it faster (bench/results/fwd_segments_register_state_h100.json), and not for
+    the shorter ones, where it measured slower; without ``wide`` never."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import plan as plan_mod, state
+    from gdn.kernels.chunk.plan import plan_segments, prepare_chunk_indices
+
+    for m in (state, plan_mod):
+        monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
+    dev = torch.device("cpu")
+    ci = prepare_chunk_indices(None, T, 64, 1, device=dev)
+    cfg = tuning.chunk_fwd(dev)
+    bv, plan = state._fused_segments(ci, HV, 128, 128, dev, plan_segments(ci, 8, dev), cfg, 32, wide=True)
+    assert (bv, plan.seg_len if plan.segmented else None) == want
+    if bv == 128:
+        assert plan.S * HV <= 132     # one wave of one CTA per SM
+        bv, _ = state._fused_segments(ci, HV, 128, 128, dev, plan_segments(ci, 8, dev), cfg, 32)
+        assert bv in (32, 64)
+
+
 @pytest.mark.parametrize("B, T, H, HV, states, want", [
     (4, 4096, 16, 32, False, 128),   # past one wave even at V tile 64: the register-state kernel on 128 columns
     (8, 2048, 16, 32, False, 128),

@@ -112,6 +112,13 @@ class ChunkForward:
     state_sm90_segment_pass_cost: float = 1.12
     state_sm90_segment_pass_cost2: float = 1.65
     state_sm90_wide_step_cost: float = 1.5
+    # ... and the register-state kernel's (V tile 128) as the final pass of one-wave segments (HV x S <= SMs; the
+    # ``wide`` candidate of state._fused_segments, where the caller keeps no h / v_new). H100 device time per forward,
+    # that plan forced against the model's choice at the time (bench/results/fwd_segments_register_state_h100.json):
+    # 1x65536 2/8 667 -> 606 us, 4/8 659 -> 616, 8/16 1277 -> 1189; 1x32768 2/8 350 -> 331, 4/8 351 -> 339, 8/16
+    # 642 -> 617; slower at 1x16384 4/8 (192 -> 198), 8/16 (328 -> 333) and 1x8192 4/8 (112 -> 122-126). 2.3-2.5 is
+    # the range that picks exactly the faster ones
+    state_sm90_t_step_cost: float = 2.5
     # merge: one step 3.6 us (H100) before the tf32 pipelined merge (merge_* below), 1.8 us since (no plan of the
     # modelled rows changes)
     state_sm90_merge_cost: float = 1.4

@@ -311,7 +311,9 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
         # segmented plans (long sequences, few heads): segments re-planned so that the fused final pass fits one wave
         # (with the planner's segments its grid took several: gdn bench 1x8192 8/16 0.63 -> 1.15 ms, H200), at the
         # V tile the cost model prefers, or no segments where they do not pay
-        bv, plan = _fused_segments(ci, HV, K, V, dev, plan, cfg, sm90_tile(ci.N * HV))
+        bv, plan = _fused_segments(ci, HV, K, V, dev, plan, cfg, sm90_tile(ci.N * HV),
+                                   wide=bool(cfg.state_sm90_fused_t and not states
+                                             and hopper.transposed_ok(K, V, 128, None, None)))
     narrow = int(cfg.state_sm90_narrow_bv)
     if (bv == 32 and not states and not forced and not plan.segmented and 0 < narrow < bv and K == 128
             and one_wave_tile(plan.S * HV, V, dev, (narrow,))):
@@ -325,14 +327,15 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
     return (bv, plan) if ok else (0, None)
 
 
-def _fused_segments(ci: ChunkIndex, HV: int, K: int, V: int, dev, plan, cfg, plain_bv: int):
+def _fused_segments(ci: ChunkIndex, HV: int, K: int, V: int, dev, plan, cfg, plain_bv: int, wide: bool = False):
     """(V tile, segment plan) of the fused forward where the planner segments: the cheapest of the plain fused pass
     over whole sequences (V tile ``plain_bv``; 0: its grid does not fit one wave, not a candidate) and, at V tile 32
-    and 64, the segmented run whose final pass fits one wave (:func:`_one_wave_len`), by :func:`_segmented_cost`;
-    segments only below ``segment_gain`` x the plain pass. (0, plan) where there is no candidate."""
+    and 64 (and 128, the register-state kernel, when ``wide``: the caller keeps no h / v_new), the segmented run whose
+    final pass fits one wave (:func:`_one_wave_len`), by :func:`_segmented_cost`; segments only below
+    ``segment_gain`` x the plain pass. (0, plan) where there is no candidate."""
     longest = max(ci.nchunks)
     best = (float(cfg.segment_gain) * longest, plain_bv, plan_segments(ci, None, dev)) if plain_bv else None
-    for bv in (32, 64):
+    for bv in (32, 64, 128) if wide else (32, 64):
         L = _one_wave_len(ci, HV, V, bv, dev, plan.seg_len)
         if not L:
             continue
@@ -347,7 +350,8 @@ def _segmented_cost(ci: ChunkIndex, plan, HV: int, K: int, V: int, bv: int, dev,
     """Modelled time of a segmented fused forward, in steps of the plain fused pass at V tile 32 (one CTA per SM):
     per chunk of a segment one step of the segment pass (local states and transitions: ``(V + K) / tile``
     programs per segment and head; ``state_sm90_segment_pass_cost`` alone on an SM, ``..._cost2`` two per SM, more in
-    proportion) and one of the fused final pass (``state_sm90_wide_step_cost`` at V tile 64), plus
+    proportion) and one of the fused final pass (``state_sm90_wide_step_cost`` at V tile 64,
+    ``state_sm90_t_step_cost`` at 128), plus
     ``state_sm90_merge_cost`` per segment of the longest sequence and ``state_sm90_segment_fixed_cost`` (its two
     launches more)."""
     longest, L = max(ci.nchunks), max(1, plan.seg_len)
@@ -355,7 +359,8 @@ def _segmented_cost(ci: ChunkIndex, plan, HV: int, K: int, V: int, bv: int, dev,
     per_sm = -(-plan.S * HV * (cdiv(V, bvp) + cdiv(K, bvp)) // _num_sms(dev))
     seg_step = (float(cfg.state_sm90_segment_pass_cost) if per_sm <= 1
                 else float(cfg.state_sm90_segment_pass_cost2) * (-(-per_sm // 2)))
-    fused_step = 1.0 if bv == 32 else float(cfg.state_sm90_wide_step_cost)
+    fused_step = (1.0 if bv == 32 else float(cfg.state_sm90_wide_step_cost) if bv == 64
+                  else float(cfg.state_sm90_t_step_cost))
     return (min(L, longest) * (seg_step + fused_step) + float(cfg.state_sm90_merge_cost) * (-(-longest // L))
             + float(cfg.state_sm90_segment_fixed_cost))
 
