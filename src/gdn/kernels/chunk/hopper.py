@@ -761,15 +761,19 @@ def _rows2d_ok(x: torch.Tensor) -> bool:
     return (x.stride(1) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
-def pitched_rows_ok(x: torch.Tensor) -> bool:
+def pitched_layout_ok(x: torch.Tensor) -> bool:
     """Whether x [B, T, heads, D] (last dim contiguous) has its heads at one pitch P >= D within a token and its token
-    rows at one stride heads * P (a column slice of a contiguous [B, T, heads, P] buffer: Ainv and P packed into o's
-    rows), with a 16-byte aligned base, pitch and row pitch: the form :func:`_pitched_rows2d` views as TMA rows."""
+    rows at one stride heads * P: a column slice of a contiguous [B, T, heads, P] buffer (Ainv and P packed into o's
+    rows; P = D for a contiguous x)."""
     B, T, Hh, D = x.shape
     st = x.stride()
-    if st[3] != 1 or st[2] < D or st[1] != Hh * st[2] or (B > 1 and st[0] != T * st[1]):
-        return False
-    return (st[2] * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+    return st[3] == 1 and st[2] >= D and st[1] == Hh * st[2] and (B == 1 or st[0] == T * st[1])
+
+
+def pitched_rows_ok(x: torch.Tensor) -> bool:
+    """:func:`pitched_layout_ok` with a 16-byte aligned base, pitch and row pitch: the form :func:`_pitched_rows2d`
+    views as TMA rows."""
+    return pitched_layout_ok(x) and (x.stride(2) * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
 
 
 def _pitched_rows2d(x: torch.Tensor) -> torch.Tensor:

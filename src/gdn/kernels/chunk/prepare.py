@@ -33,6 +33,7 @@ from ..launch import pdl_args
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _load_tile,
                      _pow2, _rn, _seq_span, _strides3)
 from . import hopper_prepare
+from .hopper import pitched_layout_ok
 from .plan import ChunkIndex, get_chunk_index
 
 
@@ -270,14 +271,13 @@ def _solve_precision(cfg, dt: torch.dtype, store_dtype: torch.dtype) -> str:
 
 
 def sm90_prepare_taken(k: torch.Tensor, q: Optional[torch.Tensor], dt: torch.dtype, *, store_ainv: bool,
-                       store_wu: bool, g_is_cumsum: bool, ainv_dtype: torch.dtype,
-                       out_dtype: Optional[torch.dtype] = None) -> bool:
+                       store_wu: bool, g_is_cumsum: bool, ainv_dtype: torch.dtype) -> bool:
     """Whether :func:`chunk_fwd_prepare` with these arguments (``dt``: the tensor-core dtype of k and v) runs the
     sm_90 Gluon prepare (else the portable kernel)."""
     cfg = tuning.chunk_fwd(k.device)
-    solve_prec = _solve_precision(cfg, dt, ainv_dtype if store_ainv else (out_dtype or dt))
-    return bool(cfg.prepare_sm90 and store_ainv and not store_wu and not g_is_cumsum
-                and hopper_prepare.supported(k, q, k.shape[3], ainv_dtype, solve_prec))
+    if not (cfg.prepare_sm90 and store_ainv and not store_wu and not g_is_cumsum):
+        return False
+    return hopper_prepare.supported(k, q, k.shape[3], ainv_dtype, _solve_precision(cfg, dt, ainv_dtype))
 
 
 def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -316,11 +316,10 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     g_cum = g if (g_is_cumsum and g.dtype == torch.float32 and g.is_contiguous()) else \
         _empty(B, T, HV, device=dev, dtype=torch.float32)
     store_g = g_cum is not g
-    if ainv_out is not None or p_out is not None:
-        if not sm90_prepare_taken(k, q, dt, store_ainv=store_ainv, store_wu=store_wu, g_is_cumsum=g_is_cumsum,
-                                  ainv_dtype=ainv_dtype, out_dtype=out_dtype) \
-                or ainv_out is None or (p_out is None) != (q is None):
-            raise ValueError("chunk_fwd_prepare: ainv_out / p_out are for the sm_90 prepare's Ainv and (with q) P")
+    sm90 = sm90_prepare_taken(k, q, dt, store_ainv=store_ainv, store_wu=store_wu, g_is_cumsum=g_is_cumsum,
+                              ainv_dtype=ainv_dtype)
+    if (ainv_out is not None or p_out is not None) and (not sm90 or ainv_out is None or (p_out is None) != (q is None)):
+        raise ValueError("chunk_fwd_prepare: ainv_out / p_out are for the sm_90 prepare's Ainv and (with q) P")
     ainv = ainv_out if ainv_out is not None else (
         _empty(B, T, HV, CHUNK_SIZE, device=dev, dtype=ainv_dtype) if store_ainv else None)
     w = _empty(B, T, HV, K, device=dev, dtype=out_dtype) if store_wu else None
@@ -334,8 +333,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     store_rk = rk is not None and bool(use_qk_l2norm_in_kernel)
     store_rq = rq is not None and q is not None and bool(use_qk_l2norm_in_kernel)
     solve_prec = _solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype)
-    if sm90_prepare_taken(k, q, dt, store_ainv=store_ainv, store_wu=store_wu, g_is_cumsum=g_is_cumsum,
-                          ainv_dtype=ainv_dtype, out_dtype=out_dtype):
+    if sm90:
         w = _empty(B, T, HV, K, device=dev, dtype=dt) if keep_w else None
         f16 = bool(cfg.solve_sm90_f16)
         flags = torch.empty(ci.NT * HV, CHUNK_SIZE, device=dev, dtype=torch.int8) if f16 else None
@@ -382,9 +380,8 @@ def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_
     ``ainv_out``)."""
     H, K = k.shape[2], k.shape[3]
     HV = beta.shape[2]
-    B, T_ = ainv.shape[:2]
     ap = ainv.stride(2)
-    if ainv.stride(3) != 1 or ainv.stride(1) != HV * ap or (B > 1 and ainv.stride(0) != T_ * ainv.stride(1)):
+    if not pitched_layout_ok(ainv):
         raise ValueError("redo_overflowed: ainv must be token rows at one head pitch")
     n = ci.NT * HV
     block = int(tuning.chunk_fwd(k.device).redo_block)
