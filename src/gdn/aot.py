@@ -552,6 +552,9 @@ FUSED_T_CONFIGS += [dict(PDL=True)]
 # Ainv and P packed into o's rows (head pitch 128: chunk_fwd.state_sm90_fused_t_packed), as the forward launches them
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, AP=128), dict(maxnreg=168, PDL=True, AP=128)]
 FUSED_T_CONFIGS += [dict(PDL=True, AP=128)]
+# ... and the segment pass of a segmented register-state run reading that Ainv (head pitch 128)
+HOPPER_CONFIGS += [dict(BV=64, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False, STORE_H=False,
+                        STORE_VNEW=False, STORE_FINAL=False, PDL=True, AP=128)]
 
 
 def compile_merge(**flags):

@@ -1013,24 +1013,32 @@ def test_fused_kernel_keeps_states_when_asked(monkeypatch, fused_states):
         assert aux["h"] is not None and aux["v_new"] is not None
 
 
-@pytest.mark.parametrize("packed, store_ainv", [(True, False), (False, False), (True, True)])
-def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, store_ainv):
+@pytest.mark.parametrize("packed, store_ainv, seg", [(True, False, None), (False, False, None), (True, True, None),
+                                                    (True, False, "gluon"), (True, False, "portable")])
+def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, store_ainv, seg):
     """chunk_gated_delta_rule_fwd where the register-state kernel (V tile 128) takes the final pass and the sm_90
     prepare runs (plan, support and launches emulated, launches recorded): with ``chunk_fwd.state_sm90_fused_t_packed``
     an inference call has the prepare write Ainv and P into the two halves of o's own rows (views at head pitch 128;
     the overflow redo told that pitch) and the fused launch reads them there and writes that o; the field off, or a
-    call that keeps Ainv (training), gets buffers of their own."""
+    call that keeps Ainv (training), gets buffers of their own. ``seg``: a segmented run (segments of 2 chunks) whose
+    segment pass is the Gluon one (it is handed the packed Ainv view as it is) or the portable one (no packing: that
+    kernel reads a contiguous Ainv only; were it handed a packed one, it reads a contiguous copy)."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import forward, prepare, state
 
     B, T, H, HV, K, V = 2, 130, 2, 4, 64, 128
     x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
-    prep, redo, fused = [], [], []
+    prep, redo, fused, seg_gluon, seg_portable = [], [], [], [], []
 
-    def plan(q, k, v, ci, seg, ckpt, states=False):
-        return 128, state._pass_plan(ci, HV, K, V, q.device, False, seg)[0]
+    def plan(q, k, v, ci, s, ckpt, states=False):
+        return 128, state._pass_plan(ci, HV, K, V, q.device, False, 2 if seg else s)[0]
 
     monkeypatch.setattr(forward, "fused_output_plan", plan)
+    monkeypatch.setattr(forward, "segment_pass_sm90_ok", lambda k, v, dt: seg == "gluon")
+    monkeypatch.setattr(state, "_segment_sm90", lambda *a: seg == "gluon")
+    monkeypatch.setattr(state, "merge_segment_states", lambda *a, **kw: torch.zeros(1))
+    monkeypatch.setattr(state.hopper, "launch_state_pass", lambda *a, **kw: seg_gluon.append(a))
+    monkeypatch.setattr(state, "_launch", lambda kernel, grid, *a, **kw: seg_portable.append(a))
     monkeypatch.setattr(prepare.hopper_prepare, "supported", lambda k, q, K, adt, prec: adt == k.dtype)
     monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: prep.append(a))
     monkeypatch.setattr(prepare, "_launch", lambda kernel, grid, *a, **kw: redo.append(kw))
@@ -1042,7 +1050,10 @@ def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, sto
     ainv, p = pa[5], pa[7]                      # launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, ...)
     assert fa[5] is ainv and fa[6] is p and fa[10] is o     # launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, ..)
     assert ainv.shape == p.shape == (B, T, HV, 64)
-    if packed and not store_ainv:
+    assert len(seg_gluon) == int(seg == "gluon") and len(seg_portable) == int(seg == "portable")
+    if seg == "gluon":
+        assert seg_gluon[0][4] is ainv          # launch_state_pass(grid, k, v, beta, ainv, ...): the view as it is
+    if packed and not store_ainv and seg != "portable":
         es = o.element_size()
         assert ainv.data_ptr() == o.data_ptr() and p.data_ptr() == o.data_ptr() + 64 * es
         assert ainv.stride() == p.stride() == o.stride() and rkw.get("AP") == 128 and aux["ainv"] is None
@@ -1051,6 +1062,34 @@ def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, sto
         assert not (lo <= ainv.data_ptr() < hi) and not (lo <= p.data_ptr() < hi)
         assert ainv.is_contiguous() and p.is_contiguous() and "AP" not in rkw
         assert aux["ainv"] is ainv
+
+
+def test_segment_pass_reads_packed_ainv_contiguously_where_portable(monkeypatch):
+    """chunk_state_pass handed an Ainv packed into o's rows (the fused register-state final pass) on a segmented run
+    whose segment pass is the portable kernel: that kernel gets a contiguous copy (it reads Ainv at pitch 64), the
+    fused final pass the packed view itself. The copy's values are the view's."""
+    from gdn.kernels.chunk import state
+
+    B, T, H, HV, K, V = 1, 200, 2, 4, 64, 128
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
+    o = torch.randn(B, T, HV, 2 * 64).to(torch.bfloat16)
+    ainv = o[..., :64]
+    seg_calls, fused = [], []
+    ci = state.get_chunk_index(None, T, B, 64, None, o.device)
+    plan = state._pass_plan(ci, HV, K, V, o.device, False, 2)[0]
+    monkeypatch.setattr(state, "_segment_sm90", lambda *a: False)
+    monkeypatch.setattr(state, "merge_segment_states", lambda *a, **kw: torch.zeros(1))
+    monkeypatch.setattr(state, "_launch", lambda kernel, grid, *a, **kw: seg_calls.append(a))
+    monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: fused.append(a))
+    g_cum = torch.zeros(B, T, HV)
+    fuse = dict(q=x.q, p=o[..., 64:], qf=torch.zeros(B, T, HV), o=o, o_idx=None, PO=0, BV=128, plan=plan,
+                states=False, scale=0.125)
+    state.chunk_state_pass(x.k, None, None, g_cum, None, False, None, 64, False, v=x.v, beta=x.beta, ainv=ainv,
+                           h_dtype=torch.bfloat16, output=fuse, chunk_index=ci)
+    assert plan.segmented and len(seg_calls) == 1 and len(fused) == 1
+    aa = seg_calls[0][3]                        # _chunk_state_kernel(k, v, beta, ainv, ...)
+    assert aa.is_contiguous() and aa.data_ptr() != o.data_ptr() and torch.equal(aa, ainv)
+    assert fused[0][5] is ainv
 
 
 @pytest.mark.parametrize("bv, seg, field, formed", [(64, -1, 64, True), (32, -1, 64, False), (64, 2, 64, False),

@@ -205,7 +205,8 @@ def chunk_sm90_packed(device):
     the final states bitwise equal (the same arithmetic on the same values: no Ainv / P left in o), and the packed
     launch taken. A ragged varlen batch (lengths 0, 1, 63, 64, 65, ...) over a pool with a padding row, both layouts,
     GVA, the L2 norm; without it, with one key of norm 300 in every chunk (the fp16 solve's overflow redo then
-    writes into o's rows); and a batched call."""
+    writes into o's rows); a batched call; and a segmented run (segments of 4 chunks: the Gluon segment pass reads
+    the packed Ainv a launch before the final pass writes o over it)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
     from ..kernels.chunk import chunk_gated_delta_rule_fwd
@@ -224,7 +225,8 @@ def chunk_sm90_packed(device):
     out = []
     cu = _cu(s["lens"], device)
     N, T = len(s["lens"]), int(cu[-1])
-    for layout, l2, B in (("v_last", True, 1), ("k_last", True, 1), ("v_last", False, 1), ("v_last", True, 3)):
+    for layout, l2, B, seg in (("v_last", True, 1, -1), ("k_last", True, 1, -1), ("v_last", False, 1, -1),
+                               ("v_last", True, 3, -1), ("k_last", True, 1, 4)):
         Tb = T if B == 1 else 200
         x = make_inputs(B, Tb, H, HV, K, V, dtype=torch.bfloat16, device=device)
         if not l2:
@@ -240,7 +242,7 @@ def chunk_sm90_packed(device):
             pitches.clear()
             prepare.hopper_prepare.launch_prepare = spy
             try:
-                with override("chunk_fwd", state_sm90_BV=128, segment_chunks=-1, state_sm90_fused_t_packed=packed):
+                with override("chunk_fwd", state_sm90_BV=128, segment_chunks=seg, state_sm90_fused_t_packed=packed):
                     o, _, _ = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, pool, True,
                                                          cu if B == 1 else None, use_qk_l2norm_in_kernel=l2,
                                                          state_layout=layout, state_indices=idx, final_state=pool,
@@ -248,7 +250,7 @@ def chunk_sm90_packed(device):
             finally:
                 prepare.hopper_prepare.launch_prepare = real
             res.append((o, pool, list(pitches)))
-        name = f"sm90 BV 128 Ainv / P packed in o, {layout}, l2={l2}, B={B}"
+        name = f"sm90 BV 128 Ainv / P packed in o, {layout}, l2={l2}, B={B}" + (f", seg={seg}" if seg > 0 else "")
         taken = res[0][2] == [64] and res[1][2] == [2 * 64]
         out += [Result("chunk", f"{name}: packed {'as' if taken else 'NOT as'} asked", 0.0 if taken else float("inf"),
                        0.0),

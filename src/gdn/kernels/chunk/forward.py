@@ -26,7 +26,7 @@ from .common import CHUNK_SIZE, _check_chunk_size, _dot_dtype, _empty, _state_dt
 from .output import chunk_output
 from .plan import prepare_chunk_indices
 from .prepare import chunk_fwd_prepare, sm90_prepare_taken
-from .state import chunk_state_pass, fused_output_plan
+from .state import chunk_state_pass, fused_output_plan, segment_pass_sm90_ok
 from .backward import wants_forward_w
 
 
@@ -85,9 +85,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     # them instead of launching l2_rnorm(q)
     rq = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and bv_fused and not pk) else None
     # the register-state kernel of an inference call: Ainv and P as the two halves of o's own rows (they are read a
-    # chunk ahead of the o they become), so the call holds no Ainv / P beside o
+    # chunk ahead of the o they become; a segmented run's Gluon segment pass reads Ainv there a launch earlier), so
+    # the call holds no Ainv / P beside o
     o = packed = None
-    if bv_fused == 128 and not plan.segmented and not store_ainv and cfg.state_sm90_fused_t_packed and v.dtype == dt \
+    if bv_fused == 128 and (not plan.segmented or segment_pass_sm90_ok(k, v, dt)) and not store_ainv and cfg.state_sm90_fused_t_packed and v.dtype == dt \
             and v.shape[3] == 2 * CHUNK_SIZE and sm90_prepare_taken(k, q, dt, store_ainv=True, store_wu=False,
                                                                      g_is_cumsum=False, ainv_dtype=a_dtype):
         o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)

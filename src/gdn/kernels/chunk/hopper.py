@@ -142,12 +142,14 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
         STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
         HT_INDEXED: gl.constexpr, NS: gl.constexpr, FROM_AINV: gl.constexpr, FUSED: gl.constexpr,
-        TMA_WARP: gl.constexpr,
+        TMA_WARP: gl.constexpr, AP: gl.constexpr = 0,
     ):
         """The sequential chain of one (V tile, value head, segment), 4 warps (module docstring, steps 1-4). FUSED:
         the chunk's start state and v_new are handed to the output partition through the 2-deep rings ``h_s`` /
         ``vn_s`` (``ready`` arrives when a slot is full, ``free`` when the output partition has read it). TMA_WARP:
-        the ring is filled by a load warp (:func:`_tma_loader`); the chain releases each stage on ``emp``."""
+        the ring is filled by a load warp (:func:`_tma_loader`); the chain releases each stage on ``emp``. AP: the
+        columns between two value heads' Ainv tiles in ``a_desc``'s rows (0: the tile width, its own buffer; 128:
+        packed into o's rows, which the segment pass of a segmented register-state run reads)."""
         C: gl.constexpr = 64
         NH: gl.constexpr = h_s.type.shape[0]
         i_h = i_hv // (HV // H)
@@ -185,7 +187,10 @@ if G.AVAILABLE:
         nbytes: gl.constexpr = (C * K + C * BV + C * AC) * (dt.primitive_bitwidth // 8)
         col_k = i_h * K
         col_v = i_hv * V + i_c * BV
-        col_a = i_hv * AC
+        if AP == 0:
+            col_a = i_hv * AC
+        else:
+            col_a = i_hv * AP
         with_v = not is_t
         # ---- prologue: chunks c_beg .. c_beg + NS - 2 into the ring
         if not TMA_WARP:
@@ -423,10 +428,10 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, INIT: gl.constexpr,
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, NS: gl.constexpr,
-        FROM_AINV: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False,
+        FROM_AINV: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False, AP: gl.constexpr = 0,
     ):
         """The state pass: h per chunk (TMA store), v_new, the final state; one program per (V tile, value head,
-        segment), 4 warps."""
+        segment), 4 warps. AP: Ainv's head pitch where it is not its tile width (:func:`_state_steps`)."""
         C: gl.constexpr = 64
         pdl_enter(PDL)
         i_v = gl.program_id(0)
@@ -451,7 +456,7 @@ if G.AVAILABLE:
                      n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
                      s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                      H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW, STORE_FINAL,
-                     HT_BY_SEG, HT_INDEXED, NS, FROM_AINV, False, False)
+                     HT_BY_SEG, HT_INDEXED, NS, FROM_AINV, False, False, AP)
         for j in gl.static_range(NS):
             mbarrier.invalidate(bars.index(j))
 
@@ -851,7 +856,12 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
     AC = ainv.shape[-1]
-    a_desc = _desc(ainv.reshape(B * T, HV * AC), (CHUNK, AC), dn)
+    # Ainv contiguous, or (segment pass of a segmented register-state run) the first half of o's rows, pitch 128
+    ap = ainv.stride(2) if (HV > 1 and not ainv.is_contiguous()) else AC
+    if ap != AC and not (from_ainv and pitched_rows_ok(ainv)):
+        raise ValueError("launch_state_pass: Ainv at a head pitch other than its width needs the ainv mode and the "
+                         "pitched row form (hopper.pitched_rows_ok)")
+    a_desc = _desc(_pitched_rows2d(ainv) if ap != AC else ainv.reshape(B * T, HV * AC), (CHUNK, AC), dn)
     if h_out is not None:
         h_desc = _desc(h_out.view(-1, V), (K, BV), dn)
     else:   # a descriptor is still needed for the operand layout; nothing is stored through it
@@ -865,7 +875,7 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
         H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
         H0_INDEXED=H0_INDEXED, STORE_H=h_out is not None, STORE_VNEW=vnew is not None, STORE_FINAL=ht is not None,
         HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, NS=stages, FROM_AINV=from_ainv, num_warps=num_warps,
-        **pdl_args(pdl, k.device))
+        **({"AP": ap} if ap != AC else {}), **pdl_args(pdl, k.device))
 
 
 def transposed_ok(K: int, V: int, BV: int, h_out, vnew) -> bool:

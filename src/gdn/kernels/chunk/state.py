@@ -217,6 +217,17 @@ def _segment_sm90(cfg, k, xs, mats, dt, K: int, V: int, split_h: bool) -> bool:
             and hopper.supported(k, xs, mats, None, None, dt, K, V, 3, False))
 
 
+def segment_pass_sm90_ok(k: torch.Tensor, v: torch.Tensor, dt: torch.dtype) -> bool:
+    """Whether a segmented ainv-mode run of these inputs (no split h) has the Gluon segment pass
+    (:func:`_segment_sm90`): the one that reads an Ainv packed into o's rows as it is (the portable kernel reads a
+    contiguous Ainv only)."""
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    ainv_like = torch.empty_strided((B, T, HV, CHUNK_SIZE), (T * HV * CHUNK_SIZE, HV * CHUNK_SIZE, CHUNK_SIZE, 1),
+                                    dtype=dt, device="meta")
+    return _segment_sm90(tuning.chunk_fwd(k.device), k, v, ainv_like, dt, K, V, False)
+
+
 def _state_strides(x: Optional[torch.Tensor], layout: str):
     if x is None:
         return (0, 0, 0, 0)
@@ -462,8 +473,10 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     out_idx = idx if final_indices is None else _written_rows(final_indices, idx, P_read=(
         initial_state.shape[0] if initial_state is not None else 0))
     cu = _cu_arg(cu_seqlens, ci.chunk_offsets)
+    packed = False
     if from_ainv:
-        # (the register-state kernel reads an Ainv packed into o's rows as it is: hopper.launch_fused_pass)
+        # (the register-state kernel and the Gluon segment pass read an Ainv packed into o's rows as it is:
+        # hopper.launch_fused_pass / launch_state_pass)
         packed = fused and bv_fused == 128 and ainv.stride(2) != ainv.shape[3]
         mats = ainv if packed else ainv.contiguous()
         vv, bb, aa, ww, uu = v, beta, mats, dummy, dummy
@@ -543,12 +556,14 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         # Hopper: as the Gluon state pass (INIT 3)
         bvs = int(cfg.state_sm90_segment_BV)
         hopper.launch_state_pass(
-            (cdiv(V, bvs) + cdiv(K, bvs), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, None, None, trans,
+            (cdiv(V, bvs) + cdiv(K, bvs), HV, S), k, xs, bb, mats if packed else mats.contiguous(), g_cum, rk_arg, None, None, trans,
             hloc, ci.chunk_offsets, ci.chunk_offsets, plan.segments, cu, ci.chunk_offsets, T, 0, S, sb, st, vl,
             H=H, HV=HV, K=K, V=V, use_l2=l2, is_varlen=ci.is_varlen, INIT=3, H0_BY_SEG=False, H0_INDEXED=False,
             HT_BY_SEG=True, HT_INDEXED=False, from_ainv=from_ainv, BV=bvs, stages=cfg.state_sm90_stages,
             pdl=cfg.pdl)
     else:
+        if packed:      # (forward.py packs only where the segment pass is Gluon: segment_pass_sm90_ok)
+            aa = ainv.contiguous()
         launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, st, vl, n_extra=cdiv(K, BV), INIT=3,
                H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True, HT_INDEXED=False)
     hs = merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy, out_idx,
@@ -558,4 +573,4 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     return h, v_new, ht
 
 
-__all__ = ["chunk_state_pass"]
+__all__ = ["chunk_state_pass", "segment_pass_sm90_ok"]
