@@ -88,9 +88,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     # chunk ahead of the o they become; a segmented run's Gluon segment pass reads Ainv there a launch earlier), so
     # the call holds no Ainv / P beside o
     o = packed = None
-    if bv_fused == 128 and (not plan.segmented or segment_pass_sm90_ok(k, v, dt)) and not store_ainv and cfg.state_sm90_fused_t_packed and v.dtype == dt \
-            and v.shape[3] == 2 * CHUNK_SIZE and sm90_prepare_taken(k, q, dt, store_ainv=True, store_wu=False,
-                                                                     g_is_cumsum=False, ainv_dtype=a_dtype):
+    if bv_fused == 128 and (not plan.segmented or segment_pass_sm90_ok(k, v, dt)) and not store_ainv \
+            and cfg.state_sm90_fused_t_packed and v.dtype == dt and v.shape[3] == 2 * CHUNK_SIZE \
+            and sm90_prepare_taken(k, q, dt, store_ainv=True, store_wu=False, g_is_cumsum=False, ainv_dtype=a_dtype):
         o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
         packed = (o[..., :CHUNK_SIZE], o[..., CHUNK_SIZE:])
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,

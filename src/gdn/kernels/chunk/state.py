@@ -556,8 +556,9 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         # Hopper: as the Gluon state pass (INIT 3)
         bvs = int(cfg.state_sm90_segment_BV)
         hopper.launch_state_pass(
-            (cdiv(V, bvs) + cdiv(K, bvs), HV, S), k, xs, bb, mats if packed else mats.contiguous(), g_cum, rk_arg, None, None, trans,
-            hloc, ci.chunk_offsets, ci.chunk_offsets, plan.segments, cu, ci.chunk_offsets, T, 0, S, sb, st, vl,
+            (cdiv(V, bvs) + cdiv(K, bvs), HV, S), k, xs, bb, mats if packed else mats.contiguous(), g_cum, rk_arg,
+            None, None, trans, hloc, ci.chunk_offsets, ci.chunk_offsets, plan.segments, cu, ci.chunk_offsets, T, 0,
+            S, sb, st, vl,
             H=H, HV=HV, K=K, V=V, use_l2=l2, is_varlen=ci.is_varlen, INIT=3, H0_BY_SEG=False, H0_INDEXED=False,
             HT_BY_SEG=True, HT_INDEXED=False, from_ainv=from_ainv, BV=bvs, stages=cfg.state_sm90_stages,
             pdl=cfg.pdl)
