@@ -1126,3 +1126,24 @@ def test_fused_kernel_forms_p_where_the_tuning_says(monkeypatch, bv, seg, field,
     assert kw["scale"] == 0.125 and kw["BV"] == bv and (aux["rq"] is None) == formed
     if not formed:
         assert a[6].shape == (B, T, HV, 64) and a[7].shape == (B, T, HV)
+
+
+def test_segment_pass_sm90_ok_follows_the_gluon_segment_pass(monkeypatch):
+    """state.segment_pass_sm90_ok (whether the forward may pack Ainv into o's rows on a segmented run) says yes exactly
+    where the segment pass would be the Gluon one: sm_90 (emulated here), 16-bit inputs laid out as TMA rows, K in
+    (64, 128), the ``chunk_fwd.state_sm90_segment_pass`` field on; no on other devices, for fp32 inputs, K = 96, or
+    with the field off."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import hopper, state
+
+    x = make_inputs(1, 128, 2, 4, 128, 128, dtype=torch.bfloat16)
+    assert not state.segment_pass_sm90_ok(x.k, x.v, torch.bfloat16)        # a CPU tensor: not sm_90
+    monkeypatch.setattr(hopper, "capability", lambda dev: "sm_90")
+    # (a Triton without Gluon has no Gluon segment pass at all)
+    assert state.segment_pass_sm90_ok(x.k, x.v, torch.bfloat16) == bool(hopper.G.AVAILABLE)
+    with tuning.override("chunk_fwd", state_sm90_segment_pass=False):
+        assert not state.segment_pass_sm90_ok(x.k, x.v, torch.bfloat16)
+    x32 = make_inputs(1, 128, 2, 4, 128, 128, dtype=torch.float32)
+    assert not state.segment_pass_sm90_ok(x32.k, x32.v, torch.float32)
+    x96 = make_inputs(1, 128, 2, 4, 96, 128, dtype=torch.bfloat16)
+    assert not state.segment_pass_sm90_ok(x96.k, x96.v, torch.bfloat16)
