@@ -852,16 +852,15 @@ def launch_state_pass(grid, k, v, beta, ainv, g_cum, rk, h_out, vnew, h0, ht, h0
     Tensors that a mode does not use may be any placeholder tensor. ``pdl``: programmatic dependent launch
     (:func:`gdn.kernels.launch.pdl_args`; False: an ordinary launch)."""
     dn = _GL_DT[k.dtype]
-    B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
     AC = ainv.shape[-1]
     # Ainv contiguous, or (segment pass of a segmented register-state run) the first half of o's rows, pitch 128
-    ap = ainv.stride(2) if (HV > 1 and not ainv.is_contiguous()) else AC
+    ap = ainv.stride(2)
     if ap != AC and not (from_ainv and pitched_rows_ok(ainv)):
         raise ValueError("launch_state_pass: Ainv at a head pitch other than its width needs the ainv mode and the "
                          "pitched row form (hopper.pitched_rows_ok)")
-    a_desc = _desc(_pitched_rows2d(ainv) if ap != AC else ainv.reshape(B * T, HV * AC), (CHUNK, AC), dn)
+    a_desc = _desc(_pitched_rows2d(ainv), (CHUNK, AC), dn)
     if h_out is not None:
         h_desc = _desc(h_out.view(-1, V), (K, BV), dn)
     else:   # a descriptor is still needed for the operand layout; nothing is stored through it
@@ -906,7 +905,6 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     no Ainv / P beside o). ``load_warp``: the V tile 32 / 64 kernel's ring
     filled by a load warp (``_tma_loader``) instead of its chain partition. ``pdl`` as :func:`launch_state_pass`'s."""
     dn = _GL_DT[k.dtype]
-    B = k.shape[0]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
     v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
