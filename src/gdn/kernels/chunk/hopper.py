@@ -60,6 +60,20 @@ if G.AVAILABLE:
         return gl.rsqrt(gl.sum(gl.where(diag, gram, 0.0), axis=1) + 1e-6)
 
     @gluon.jit
+    def _tile_rnorm(buf, out: gl.constexpr, num_warps: gl.constexpr):
+        """The L2 row scalings 1 / |x_i| (eps 1e-6 under the root) of a [64, K] tile x in shared memory (K a multiple
+        of 64), by row sums of squares on the CUDA cores, 64 columns at a time (as the Gram matrix's diagonal, where
+        that product is not otherwise needed); a row vector in layout ``out``."""
+        C: gl.constexpr = 64
+        K: gl.constexpr = buf.type.shape[1]
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        ss = gl.zeros([C], gl.float32, layout=gl.SliceLayout(1, lay))
+        for j in gl.static_range(K // C):
+            x = buf.slice(j * C, C, dim=1).load(lay).to(gl.float32)
+            ss += gl.sum(x * x, axis=1)
+        return gl.convert_layout(gl.rsqrt(ss + 1e-6), out)
+
+    @gluon.jit
     def _decay_tile(c_r, c_c, mask):
         """Gamma[i, j] = exp(c_i - c_j) where ``mask`` (the causal part), else 0, from a chunk's cumulative gates as
         a row vector ``c_r`` and a column vector ``c_c``: one exp2 per element."""
@@ -323,9 +337,10 @@ if G.AVAILABLE:
         with P = causal(scale (r_q r_k^T) Gamma Q K^T) and qf = scale r_q exp(g_cum) from the prepare kernel. q and P
         come by TMA into a 2-deep ring (``q_s`` / ``p_s``, one mbarrier per stage); h_c and v_new_c from the state
         partition's hand-off slots. PK: P and qf formed here instead (``p_desc`` is then k's descriptor and ``p_s``
-        holds k tiles; Q K^T and, with the L2 norm, Q Q^T for r_q issued before the hand-off is waited for; r_k and
-        g_cum from the prepare kernel). Rows past the sequence's end are not stored; a sequence whose pool row is
-        invalid (O_INDEXED) gets zeros, as the output kernel writes."""
+        holds k tiles; Q K^T and, with the L2 norm, Q Q^T for r_q issued before the hand-off is waited for (Q Q^T on
+        the tensor cores here: r_q by row sums on the CUDA cores, as the prepare kernel takes it, made the V tile 64
+        kernel at 64/64 4% slower); r_k and g_cum from the prepare kernel). Rows past the sequence's end are not
+        stored; a sequence whose pool row is invalid (O_INDEXED) gets zeros, as the output kernel writes."""
         C: gl.constexpr = 64
         NQ: gl.constexpr = q_s.type.shape[0]
         NH: gl.constexpr = h_s.type.shape[0]

@@ -7,7 +7,8 @@ Per CTA (one chunk of C = 64 tokens, one value head; notation of ``prepare.py``)
 
     k, q [64, K]          one TMA copy each into shared memory (g and beta loaded while they land)
     c                     cumsum(g) as a masked row sum
-    K K^T, Q Q^T, Q K^T   asynchronous wgmma; r_k and r_q are the inverse norms read off the diagonals
+    K K^T, Q K^T          asynchronous wgmma; r_k the inverse norms read off K K^T's diagonal, r_q q's (row sums
+                          of squares on the CUDA cores while the products run)
     A, P, qf              A = strictLower(diag(beta r_k) (Gamma * K K^T) diag(r_k)); P and qf with q
     Ainv = (I + A)^-1     below; Ainv and P of a full chunk leave by TMA stores from a staging tile, a
                           partial chunk's by 16-byte stores of its valid rows
@@ -40,8 +41,8 @@ from ..tuning import capability
 from .hopper import CHUNK, _GL_DT, _desc, _pitched_rows2d, _rows2d, _rows2d_ok, pitched_rows_ok
 
 if G.AVAILABLE:
-    from .hopper import _decay_tile, _gram_rnorm, _seq_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, \
-        tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait
+    from .hopper import _decay_tile, _gram_rnorm, _seq_span, _tile_rnorm, cta_barrier, fence_async_shared, gl, gluon, \
+        mbarrier, tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait
 
     _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(G.PUBLIC_REINTERPRET)
 
@@ -281,25 +282,23 @@ if G.AVAILABLE:
         c_r = gl.sum(gl.where(causal, g_c[None, :], 0.0), axis=1)
         gl.store(gcum + tok_r * HV + i_hv, c_r, mask=m_r)
 
-        # ---- Q Q^T first (r_q off its diagonal, so that its accumulator is dead before the other two land), then
-        # K K^T and Q K^T; r_k from K K^T's diagonal and the gates' factors while Q K^T runs
+        # ---- K K^T and Q K^T issued first; r_q (q's row norms on the CUDA cores, from q's tile) while they run; r_k
+        # from K K^T's diagonal and the gates' factors while Q K^T runs
         zero = gl.zeros([C, C], gl.float32, layout=mma)
         mbarrier.wait(bar, 0)
         diag = tr[:, None] == tc[None, :]
-        if STORE_P:
-            if USE_L2:
-                qq = warpgroup_mma(q_s, q_s.permute((1, 0)), zero, use_acc=False)
-                rq = _gram_rnorm(qq, diag)
-                if STORE_RQ:
-                    gl.store(rq_out + tok_r * H + i_h, rq, mask=m_r & (i_hv % (HV // H) == 0))
-                rq = rq * scale
-            else:
-                rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
         # (each wait names the shared tiles its products read, or a layout conversion's scratch may take their bytes
         # before the product is done: Q K^T came out wrong without the L2 norm; gdn.aot.async_operand_problem)
         kk = warpgroup_mma(k_s, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         if STORE_P:
             qk = warpgroup_mma(q_s, k_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+            if USE_L2:
+                rq = _tile_rnorm(q_s, rl, num_warps)
+                if STORE_RQ:
+                    gl.store(rq_out + tok_r * H + i_h, rq, mask=m_r & (i_hv % (HV // H) == 0))
+                rq = rq * scale
+            else:
+                rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
             kk = warpgroup_mma_wait(1, deps=[kk])
         else:
             kk, _ = warpgroup_mma_wait(0, deps=[kk, k_s])
