@@ -551,6 +551,8 @@ FUSED_CONFIGS += [dict(BV=bv, PDL=True) for bv in (16, 32, 64)] + \
 FUSED_T_CONFIGS += [dict(PDL=True)]
 # Ainv and P packed into o's rows (head pitch 128: chunk_fwd.state_sm90_fused_t_packed), as the forward launches them
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, AP=128), dict(maxnreg=168, PDL=True, AP=128)]
+# an inference forward's P without r_q (only the training backward reads r_q), in its own buffers or in o's rows
+PREPARE_CONFIGS += [dict(maxnreg=r, PDL=True, STORE_RQ=False, **f) for r in (128, 168) for f in (dict(), dict(AP=128))]
 FUSED_T_CONFIGS += [dict(PDL=True, AP=128)]
 # ... and the segment pass of a segmented register-state run reading that Ainv (head pitch 128)
 HOPPER_CONFIGS += [dict(BV=64, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False, STORE_H=False,

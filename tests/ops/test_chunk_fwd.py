@@ -1064,6 +1064,38 @@ def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, sto
         assert aux["ainv"] is ainv
 
 
+@pytest.mark.parametrize("store_ainv", [False, True])
+def test_prepare_stores_rq_only_for_a_backward(monkeypatch, store_ainv):
+    """chunk_gated_delta_rule_fwd where the fused Hopper kernel takes P from the sm_90 prepare (plan, support and
+    launches emulated, launches recorded): q's L2 row scalings r_q (fp32 [B, T, H]) are stored by the prepare and
+    returned in aux only for a call that keeps Ainv (training: the backward reads them); an inference call gets the
+    prepare launch without r_q (no buffer, nothing stored) and aux["rq"] None."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import forward, prepare, state
+
+    B, T, H, HV, K, V = 1, 130, 2, 4, 64, 64
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
+    prep = []
+
+    def plan(q, k, v, ci, s, ckpt, states=False):
+        return 32, state._pass_plan(ci, HV, K, V, q.device, False, -1)[0]
+
+    monkeypatch.setattr(forward, "fused_output_plan", plan)
+    monkeypatch.setattr(prepare.hopper_prepare, "supported", lambda k, q, K, adt, prec: adt == k.dtype)
+    monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: prep.append((a, kw)))
+    monkeypatch.setattr(prepare, "_launch", lambda *a, **kw: None)
+    monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: None)
+    with tuning.override("chunk_fwd", prepare_sm90=True, state_sm90_p_in_kernel_bv=0):
+        _, _, aux = forward.chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, 0.125, None, False, None, 64,
+                                                       True, return_states=False, store_ainv=store_ainv)
+    ((a, kw),) = prep
+    assert a[1] is x.q and a[7] is not None          # P is formed either way
+    if store_ainv:
+        assert kw["rq"] is aux["rq"] and aux["rq"].shape == (B, T, H) and aux["rq"].dtype == torch.float32
+    else:
+        assert kw["rq"] is None and aux["rq"] is None
+
+
 def test_segment_pass_reads_packed_ainv_contiguously_where_portable(monkeypatch):
     """chunk_state_pass handed an Ainv packed into o's rows (the fused register-state final pass) on a segmented run
     whose segment pass is the portable kernel: that kernel gets a contiguous copy (it reads Ainv at pitch 64), the
@@ -1123,7 +1155,8 @@ def test_fused_kernel_forms_p_where_the_tuning_says(monkeypatch, bv, seg, field,
                                                        True, return_states=False)
     (a, kw), = calls
     assert (preps[0] is None) == formed and (a[6] is None) == formed and (a[7] is None) == formed
-    assert kw["scale"] == 0.125 and kw["BV"] == bv and (aux["rq"] is None) == formed
+    # (r_q: only for a training call's backward, which keeps Ainv; an inference call stores none)
+    assert kw["scale"] == 0.125 and kw["BV"] == bv and aux["rq"] is None
     if not formed:
         assert a[6].shape == (B, T, HV, 64) and a[7].shape == (B, T, HV)
 

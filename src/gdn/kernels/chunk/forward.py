@@ -43,8 +43,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     as in :func:`chunk_state_pass`; aux holds the intermediates
     (g_cum, Ainv when ``store_ainv`` (tensor-core dtype, fp32 with the tuning field ``chunk_fwd.ainv_dtype`` = "fp32"), h, v_new,
     chunk_index, rk (the L2 row scalings of k, fp32 [B, T, H], None without the L2 norm), rq (q's, where the prepare
-    kernel computes P for the fused Hopper kernel, else None: the output kernel computes them itself and the
-    backward again)).
+    kernel computes P for the fused Hopper kernel in a call that keeps Ainv for this package's backward, else None:
+    the output kernel computes them itself, and the backward again)).
     ``cu_seqlens_cpu``: host copy of cu_seqlens (nothing read back from the device; :func:`prepare_chunk_indices`).
     ``return_states=False``: the caller needs no h / v_new; on Hopper the state pass then computes the output itself
     (one kernel fewer, no h / v_new in memory) and aux["h"] / aux["v_new"] are None; such a call over more token x
@@ -81,9 +81,10 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     # unsegmented V tile 64 (chunk_fwd.state_sm90_p_in_kernel_bv): the fused kernel forms P and qf itself, so the
     # prepare reads no q and writes no P
     pk = bv_fused in (32, 64) and 0 < int(cfg.state_sm90_p_in_kernel_bv) <= bv_fused and not plan.segmented
-    # q's L2 row scalings come out of the prepare kernel where it computes P (the fused kernel): the backward reads
-    # them instead of launching l2_rnorm(q)
-    rq = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and bv_fused and not pk) else None
+    # q's L2 row scalings come out of the prepare kernel where it computes P (the fused kernel) and a backward follows
+    # (store_ainv): it reads them instead of launching l2_rnorm(q); an inference call neither stores nor holds them
+    rq = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and bv_fused and not pk and store_ainv) \
+        else None
     # the register-state kernel of an inference call: Ainv and P as the two halves of o's own rows (they are read a
     # chunk ahead of the o they become; a segmented run's Gluon segment pass reads Ainv there a launch earlier), so
     # the call holds no Ainv / P beside o
