@@ -217,15 +217,17 @@ def _segment_sm90(cfg, k, xs, mats, dt, K: int, V: int, split_h: bool) -> bool:
             and hopper.supported(k, xs, mats, None, None, dt, K, V, 3, False))
 
 
+def _ainv_like(k: torch.Tensor, v: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """A meta tensor shaped as the Ainv the prepare kernel will write for these inputs (contiguous [B, T, HV, 64] in
+    the tensor-core dtype ``dt``), for the support checks made before it exists."""
+    return torch.empty((k.shape[0], k.shape[1], v.shape[2], CHUNK_SIZE), dtype=dt, device="meta")
+
+
 def segment_pass_sm90_ok(k: torch.Tensor, v: torch.Tensor, dt: torch.dtype) -> bool:
     """Whether a segmented ainv-mode run of these inputs (no split h) has the Gluon segment pass
     (:func:`_segment_sm90`): the one that reads an Ainv packed into o's rows as it is (the portable kernel reads a
     contiguous Ainv only)."""
-    B, T, H, K = k.shape
-    HV, V = v.shape[2], v.shape[3]
-    ainv_like = torch.empty_strided((B, T, HV, CHUNK_SIZE), (T * HV * CHUNK_SIZE, HV * CHUNK_SIZE, CHUNK_SIZE, 1),
-                                    dtype=dt, device="meta")
-    return _segment_sm90(tuning.chunk_fwd(k.device), k, v, ainv_like, dt, K, V, False)
+    return _segment_sm90(tuning.chunk_fwd(k.device), k, v, _ainv_like(k, v, dt), dt, k.shape[3], v.shape[3], False)
 
 
 def _state_strides(x: Optional[torch.Tensor], layout: str):
@@ -297,14 +299,11 @@ _FUSED_PLANS: dict = {}
 
 
 def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
-    B, T, H, K = k.shape
+    K = k.shape[3]
     HV, V = v.shape[2], v.shape[3]
     dev = k.device
     dt = _dot_dtype(k, v)
-    # the Ainv that the prepare kernel will write: contiguous [B, T, HV, 64] in the tensor-core dtype
-    ainv_like = torch.empty_strided((B, T, HV, CHUNK_SIZE), (T * HV * CHUNK_SIZE, HV * CHUNK_SIZE, CHUNK_SIZE, 1),
-                                    dtype=dt, device="meta")
-    if not hopper.supported(k, v, ainv_like, None, None, dt, K, V, 1, False, checkpoints=checkpoints):
+    if not hopper.supported(k, v, _ainv_like(k, v, dt), None, None, dt, K, V, 1, False, checkpoints=checkpoints):
         return 0, None
     plan, sm90_tile = _pass_plan(ci, HV, K, V, dev, True, segment_chunks)
     # unsegmented grids larger than one wave at every V tile (batches of several sequences): still the fused kernel,
