@@ -401,10 +401,12 @@ def compile_hopper_fused_t_pass(dtype=None, **flags):
                 p_desc=m._desc(a.reshape(B * T, -1), (64, 64), dn), beta=torch.empty(4, dtype=dt), gcum=f32,
                 rk_in=f32, qf=f32, o=torch.empty(4, dtype=dt), h0=f32, ht=f32, h0_idx=i32, ht_idx=i32, o_idx=i32,
                 segments=i32, cu_seqlens=i32, T=T, P0=3, P1=3, PO=3, s_bb=3, s_bt=3, s_bh=1, s0n=3, s0h=3, s0k=3,
-                s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
+                s0v=1, s1n=3, s1h=3, s1k=3, s1v=1, scale=0.5)
     cx = dict(H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=True, IS_VARLEN=True, INIT=1, H0_BY_SEG=False, H0_INDEXED=True,
-              STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True, NS=2, WREGS=m.T_CHAIN_REGS,
-              LREGS=m.T_LOADER_REGS, num_warps=4)
+              STORE_FINAL=True, HT_BY_SEG=False, HT_INDEXED=True, O_INDEXED=True, NS=2, num_warps=4)
+    # the register budgets hopper.launch_fused_pass gives each form (PA: with the P partition)
+    cx.update(dict(WREGS=m.T_PA_CHAIN_REGS, AREGS=m.T_PA_AUX_REGS, LREGS=m.T_PA_LOADER_REGS) if flags.get("PA")
+              else dict(WREGS=m.T_CHAIN_REGS, LREGS=m.T_LOADER_REGS))
     cx.update(flags)
     return compile_gluon(m._chunk_fused_t_sm90_kernel, args, cx)
 
@@ -557,6 +559,10 @@ FUSED_T_CONFIGS += [dict(PDL=True, AP=128)]
 # ... and the segment pass of a segmented register-state run reading that Ainv (head pitch 128)
 HOPPER_CONFIGS += [dict(BV=64, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False, STORE_H=False,
                         STORE_VNEW=False, STORE_FINAL=False, PDL=True, AP=128)]
+# the register-state kernel forming P in its P partition (chunk_fwd.state_sm90_t_p_in_kernel, unsegmented plans),
+# with Ainv alone in o's rows from a prepare without P (which loads q for r_q alone), with and without the L2 norm
+FUSED_T_CONFIGS += [dict(PA=True, PDL=True, AP=128), dict(PA=True, PDL=True, AP=128, USE_L2=False)]
+PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, STORE_P=False, STORE_RQ=True, AP=128)]
 
 
 def compile_merge(**flags):
@@ -769,7 +775,10 @@ def _compile_hopper() -> int:
     def ws_regs(build, cfg):
         if build is compile_hopper_fused_pass:
             return [m.OUTPUT_PARTITION_REGS] + ([m.T_LOADER_REGS] if cfg.get("TMA_WARP", _load_warp(cfg["BV"])) else [])
-        return [m.T_CHAIN_REGS, m.T_LOADER_REGS] if build is compile_hopper_fused_t_pass else None
+        if build is compile_hopper_fused_t_pass:
+            return ([m.T_PA_CHAIN_REGS, m.T_PA_AUX_REGS, m.T_PA_LOADER_REGS] if cfg.get("PA")
+                    else [m.T_CHAIN_REGS, m.T_LOADER_REGS])
+        return None
     for name, build, cfg in builds:
         try:
             compiled = build(**cfg)

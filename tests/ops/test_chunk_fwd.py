@@ -1013,16 +1013,21 @@ def test_fused_kernel_keeps_states_when_asked(monkeypatch, fused_states):
         assert aux["h"] is not None and aux["v_new"] is not None
 
 
-@pytest.mark.parametrize("packed, store_ainv, seg", [(True, False, None), (False, False, None), (True, True, None),
-                                                    (True, False, "gluon"), (True, False, "portable")])
-def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, store_ainv, seg):
+@pytest.mark.parametrize("packed, store_ainv, seg, p_in", [
+    (True, False, None, False), (False, False, None, False), (True, True, None, False), (True, False, "gluon", False),
+    (True, False, "portable", False), (True, False, None, True), (False, False, None, True), (True, True, None, True),
+    (True, False, "gluon", True)])
+def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, store_ainv, seg, p_in):
     """chunk_gated_delta_rule_fwd where the register-state kernel (V tile 128) takes the final pass and the sm_90
     prepare runs (plan, support and launches emulated, launches recorded): with ``chunk_fwd.state_sm90_fused_t_packed``
     an inference call has the prepare write Ainv and P into the two halves of o's own rows (views at head pitch 128;
     the overflow redo told that pitch) and the fused launch reads them there and writes that o; the field off, or a
     call that keeps Ainv (training), gets buffers of their own. ``seg``: a segmented run (segments of 2 chunks) whose
     segment pass is the Gluon one (it is handed the packed Ainv view as it is) or the portable one (no packing: that
-    kernel reads a contiguous Ainv only; were it handed a packed one, it reads a contiguous copy)."""
+    kernel reads a contiguous Ainv only; were it handed a packed one, it reads a contiguous copy). ``p_in``
+    (``chunk_fwd.state_sm90_t_p_in_kernel``): an unsegmented run's kernel forms P itself, so the prepare gets no q and
+    writes no P (Ainv alone in o's first half when packed), stores q's L2 row scalings from q's tiles instead, and
+    the fused launch gets those in qf's place; segmented runs read P as before."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import forward, prepare, state
 
@@ -1040,22 +1045,29 @@ def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, sto
     monkeypatch.setattr(state.hopper, "launch_state_pass", lambda *a, **kw: seg_gluon.append(a))
     monkeypatch.setattr(state, "_launch", lambda kernel, grid, *a, **kw: seg_portable.append(a))
     monkeypatch.setattr(prepare.hopper_prepare, "supported", lambda k, q, K, adt, prec: adt == k.dtype)
-    monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: prep.append(a))
+    monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: prep.append((a, kw)))
     monkeypatch.setattr(prepare, "_launch", lambda kernel, grid, *a, **kw: redo.append(kw))
     monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: fused.append(a))
-    with tuning.override("chunk_fwd", state_sm90_fused_t_packed=packed, prepare_sm90=True):
+    with tuning.override("chunk_fwd", state_sm90_fused_t_packed=packed, prepare_sm90=True,
+                         state_sm90_t_p_in_kernel=p_in):
         o, _, aux = forward.chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, 0.125, None, False, None, 64,
                                                        True, return_states=False, store_ainv=store_ainv)
-    (pa,), (fa,), (rkw,) = prep, fused, redo
+    ((pa, pkw),), (fa,), (rkw,) = prep, fused, redo
     ainv, p = pa[5], pa[7]                      # launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, ...)
     assert fa[5] is ainv and fa[6] is p and fa[10] is o     # launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, ..)
+    if p_in and not seg:
+        assert pa[1] is None and p is None and pa[8] is None and pkw["rq_of"] is x.q
+        assert fa[7] is pkw["rq"] and pkw["rq"].shape == (B, T, H) and pkw["rq"].dtype == torch.float32
+        p = ainv                                # (the layout checks below: Ainv alone)
+    else:
+        assert pa[1] is x.q and pkw["rq_of"] is None
     assert ainv.shape == p.shape == (B, T, HV, 64)
     assert len(seg_gluon) == int(seg == "gluon") and len(seg_portable) == int(seg == "portable")
     if seg == "gluon":
         assert seg_gluon[0][4] is ainv          # launch_state_pass(grid, k, v, beta, ainv, ...): the view as it is
     if packed and not store_ainv and seg != "portable":
         es = o.element_size()
-        assert ainv.data_ptr() == o.data_ptr() and p.data_ptr() == o.data_ptr() + 64 * es
+        assert ainv.data_ptr() == o.data_ptr() and (p is ainv or p.data_ptr() == o.data_ptr() + 64 * es)
         assert ainv.stride() == p.stride() == o.stride() and rkw.get("AP") == 128 and aux["ainv"] is None
     else:
         lo, hi = o.data_ptr(), o.data_ptr() + o.numel() * o.element_size()
@@ -1124,22 +1136,18 @@ def test_segment_pass_reads_packed_ainv_contiguously_where_portable(monkeypatch)
     assert fused[0][5] is ainv
 
 
-@pytest.mark.parametrize("bv, seg, field, formed", [(64, -1, 64, True), (32, -1, 64, False), (64, 2, 64, False),
-                                                     (64, -1, 0, False)])
-def test_fused_kernel_forms_p_where_the_tuning_says(monkeypatch, bv, seg, field, formed):
-    """chunk_gated_delta_rule_fwd where the fused Hopper kernel takes the final pass (plan and launch emulated,
-    launches recorded): at an unsegmented V tile >= ``chunk_fwd.state_sm90_p_in_kernel_bv`` the prepare gets no q
-    (no P, no qf, no r_q) and the fused launch gets P = qf = None with the call's scale; elsewhere P and qf come from
-    the prepare as before."""
+def _fused_forward_emulated(monkeypatch, x, bv, seg, l2=True, **fields):
+    """chunk_gated_delta_rule_fwd (inference, scale 0.125) with the fused Hopper kernel at V tile ``bv`` taking the
+    final pass (plan and launch emulated; the portable prepare runs) under the ``chunk_fwd`` fields given: (the q
+    each prepare call got, [(args, kwargs)] of the fused launches, aux)."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import forward, state
 
     calls, preps = [], []
-    B, T, H, HV, K = 1, 5 * 64 + 3, 2, 4, 64
-    x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
+    HV, K, V = x.v.shape[2], x.k.shape[3], x.v.shape[3]
 
     def plan(q, k, v, ci, s, ckpt, states=False):
-        return bv, state._pass_plan(ci, HV, K, K, q.device, False, seg)[0]
+        return bv, state._pass_plan(ci, HV, K, V, q.device, False, seg)[0]
 
     real_prepare = forward.chunk_fwd_prepare
 
@@ -1150,15 +1158,53 @@ def test_fused_kernel_forms_p_where_the_tuning_says(monkeypatch, bv, seg, field,
     monkeypatch.setattr(forward, "fused_output_plan", plan)
     monkeypatch.setattr(forward, "chunk_fwd_prepare", prepare)
     monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: calls.append((a, kw)))
-    with tuning.override("chunk_fwd", state_sm90_p_in_kernel_bv=field):
+    with tuning.override("chunk_fwd", **fields):
         _, _, aux = forward.chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, 0.125, None, False, None, 64,
-                                                       True, return_states=False)
+                                                       l2, return_states=False)
+    return preps, calls, aux
+
+
+@pytest.mark.parametrize("bv, seg, field, formed", [(64, -1, 64, True), (32, -1, 64, False), (64, 2, 64, False),
+                                                     (64, -1, 0, False)])
+def test_fused_kernel_forms_p_where_the_tuning_says(monkeypatch, bv, seg, field, formed):
+    """chunk_gated_delta_rule_fwd where the fused Hopper kernel takes the final pass (plan and launch emulated,
+    launches recorded): at an unsegmented V tile >= ``chunk_fwd.state_sm90_p_in_kernel_bv`` the prepare gets no q
+    (no P, no qf, no r_q) and the fused launch gets P = qf = None with the call's scale; elsewhere P and qf come from
+    the prepare as before."""
+    B, T, H, HV, K = 1, 5 * 64 + 3, 2, 4, 64
+    x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
+    preps, calls, aux = _fused_forward_emulated(monkeypatch, x, bv, seg, state_sm90_p_in_kernel_bv=field)
     (a, kw), = calls
     assert (preps[0] is None) == formed and (a[6] is None) == formed and (a[7] is None) == formed
     # (r_q: only for a training call's backward, which keeps Ainv; an inference call stores none)
     assert kw["scale"] == 0.125 and kw["BV"] == bv and aux["rq"] is None
     if not formed:
         assert a[6].shape == (B, T, HV, 64) and a[7].shape == (B, T, HV)
+
+
+@pytest.mark.parametrize("field, l2, seg", [(True, True, -1), (True, False, -1), (False, True, -1), (True, True, 2)])
+def test_register_state_kernel_forms_p_where_the_tuning_says(monkeypatch, field, l2, seg):
+    """chunk_gated_delta_rule_fwd where the register-state kernel (V tile 128) takes the final pass (plan and launch
+    emulated; the portable prepare here): with ``chunk_fwd.state_sm90_t_p_in_kernel`` an unsegmented run's prepare
+    gets no q (no P, no qf) and the launch gets P = None and, in qf's place, q's L2 row scalings (fp32 [B, T, H],
+    rsqrt(|q|^2 + 1e-6); None without the L2 norm); with the field off, or segmented (segments of 2 chunks), P and qf
+    come from the prepare."""
+    B, T, H, HV, K, V = 1, 3 * 64 + 5, 2, 4, 64, 128
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
+    preps, calls, _ = _fused_forward_emulated(monkeypatch, x, 128, seg, l2, state_sm90_t_p_in_kernel=field)
+    (a, kw), = calls
+    assert kw["BV"] == 128 and kw["transposed"] and kw["scale"] == 0.125
+    p, qf = a[6], a[7]
+    if not field or seg > 0:
+        assert preps[0] is x.q and p.shape == (B, T, HV, 64) and qf.shape == (B, T, HV)
+        return
+    assert preps[0] is None and p is None
+    if not l2:
+        assert qf is None
+        return
+    want = torch.rsqrt(x.q.float().pow(2).sum(-1) + 1e-6)
+    assert qf.shape == (B, T, H) and qf.dtype == torch.float32
+    torch.testing.assert_close(qf, want, rtol=1e-5, atol=0)
 
 
 def test_segment_pass_sm90_ok_follows_the_gluon_segment_pass(monkeypatch):

@@ -144,7 +144,8 @@ def chunk_sm90_vs_portable(device):
     """Hopper only: the Gluon state pass (gdn.kernels.chunk.hopper) and the fused state + output kernel storing h /
     v_new (``chunk_fwd.state_sm90_fused_states``) against the portable Triton pass on the same inputs (h per chunk,
     v_new, o, final state; pools with a padding row, k_last, varlen, segments), and the fused kernel without h / v_new
-    (V tiles 128, 64, 32 and 16: o and the final states) against the same portable run."""
+    (V tiles 128, with P formed in the kernel and read from the prepare, 64, 32 and 16: o and the final states)
+    against the same portable run."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
     from ..kernels.chunk import chunk_gated_delta_rule_fwd
@@ -185,13 +186,15 @@ def chunk_sm90_vs_portable(device):
                     Result("chunk", name + " v_new", rel_err(r[2], res[0][2]), 4e-3),
                     Result("chunk", name + " o", rel_err(r[0], res[0][0]), 4e-3),
                     Result("chunk", name + " final state", rel_err(p, pools[0]), 4e-3)]
-        for bv in (128, 64, 32, 16):     # 128: the register-state kernel (hopper._chunk_fused_t_sm90_kernel)
+        # 128: the register-state kernel (hopper._chunk_fused_t_sm90_kernel), with P formed in its P partition and
+        # ("P read") from the prepare kernel
+        for bv, p_in in ((128, True), (128, False), (64, True), (32, True), (16, True)):
             pool = pool0.clone()
-            with override("chunk_fwd", state_sm90_BV=bv, segment_chunks=seg):
+            with override("chunk_fwd", state_sm90_BV=bv, segment_chunks=seg, state_sm90_t_p_in_kernel=p_in):
                 o, _, aux = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, s["K"] ** -0.5, pool, True, cu,
                                                        use_qk_l2norm_in_kernel=True, state_layout=layout,
                                                        state_indices=idx, final_state=pool, return_states=False)
-            name = f"sm90 fused BV {bv} vs portable {layout} seg={seg}"
+            name = f"sm90 fused BV {bv}{'' if p_in else ' P read'} vs portable {layout} seg={seg}"
             out += [Result("chunk", name + " (no h in memory)", 0.0 if aux["h"] is None else float("inf"), 0.0),
                     Result("chunk", name + " o", rel_err(o, res[0][0]), 4e-3),
                     Result("chunk", name + " final state", rel_err(pool, pools[0]), 4e-3)]

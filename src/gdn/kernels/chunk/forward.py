@@ -81,31 +81,40 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     # unsegmented V tile 64 (chunk_fwd.state_sm90_p_in_kernel_bv): the fused kernel forms P and qf itself, so the
     # prepare reads no q and writes no P
     pk = bv_fused in (32, 64) and 0 < int(cfg.state_sm90_p_in_kernel_bv) <= bv_fused and not plan.segmented
+    # the register-state kernel (V tile 128) of an unsegmented plan forms them in its P partition
+    # (chunk_fwd.state_sm90_t_p_in_kernel) from q's L2 row scalings, which its load warp reads where qf would be
+    pa = bv_fused == 128 and bool(cfg.state_sm90_t_p_in_kernel) and not plan.segmented
+    pk = pk or pa
     # q's L2 row scalings come out of the prepare kernel where it computes P (the fused kernel) and a backward follows
     # (store_ainv): it reads them instead of launching l2_rnorm(q); an inference call neither stores nor holds them
     rq = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and bv_fused and not pk and store_ainv) \
         else None
-    # the register-state kernel of an inference call: Ainv and P as the two halves of o's own rows (they are read a
-    # chunk ahead of the o they become; a segmented run's Gluon segment pass reads Ainv there a launch earlier), so
-    # the call holds no Ainv / P beside o
+    # ... and for the register-state kernel's load warp (P formed in the kernel), from q's tiles in the prepare
+    rq_t = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and pa) else None
+    # the register-state kernel of an inference call: Ainv (and P where the prepare forms it) as the two halves of
+    # o's own rows (they are read a chunk ahead of the o they become; a segmented run's Gluon segment pass reads Ainv
+    # there a launch earlier), so the call holds no Ainv / P beside o
     o = packed = None
     if bv_fused == 128 and (not plan.segmented or segment_pass_sm90_ok(k, v, dt)) and not store_ainv \
             and cfg.state_sm90_fused_t_packed and v.dtype == dt and v.shape[3] == 2 * CHUNK_SIZE \
-            and sm90_prepare_taken(k, q, dt, store_ainv=True, store_wu=False, g_is_cumsum=False, ainv_dtype=a_dtype):
+            and sm90_prepare_taken(k, None if pk else q, dt, store_ainv=True, store_wu=False, g_is_cumsum=False,
+                                   ainv_dtype=a_dtype):
         o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
-        packed = (o[..., :CHUNK_SIZE], o[..., CHUNK_SIZE:])
+        packed = (o[..., :CHUNK_SIZE], None if pk else o[..., CHUNK_SIZE:])
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
-                             ainv_dtype=a_dtype, rk=rk, q=q if (bv_fused and not pk) else None, scale=scale, rq=rq,
+                             ainv_dtype=a_dtype, rk=rk, q=q if (bv_fused and not pk) else None, scale=scale,
                              keep_w=bool(keep_w and store_ainv and from_ainv and wants_forward_w(q, k, v, ci)),
-                             ainv_out=packed[0] if packed else None, p_out=packed[1] if packed else None)
+                             ainv_out=packed[0] if packed else None, p_out=packed[1] if packed else None,
+                             rq=rq if rq_t is None else rq_t, rq_of=q if rq_t is not None else None)
     g_cum, ainv, w, u = prep[:4]
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     fuse = None
     if bv_fused:
         if o is None:
             o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
-        fuse = dict(q=q, p=None if pk else prep[4], qf=None if pk else prep[5], o=o, o_idx=state_indices, PO=P,
+        fuse = dict(q=q, p=None if pk else prep[4], qf=rq_t if pa else None if pk else prep[5], o=o,
+                    o_idx=state_indices, PO=P,
                     BV=bv_fused, plan=plan, states=return_states, scale=scale)
     h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
                                     use_qk_l2norm_in_kernel, v=v if from_ainv else None,

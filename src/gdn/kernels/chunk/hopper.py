@@ -567,20 +567,25 @@ if G.AVAILABLE:
         k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
         beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-        USE_L2: gl.constexpr, NS: gl.constexpr, AP: gl.constexpr,
+        USE_L2: gl.constexpr, NS: gl.constexpr, AP: gl.constexpr, PA: gl.constexpr = False, scale=1.0,
     ):
         """The register-state kernel's load partition (one warp): chunk c's k, v, Ainv, q and P tiles by TMA into ring
         stage c % NS, and its per-row gates into the stage's gate rows ``gt_s[8 (c % NS) + j]`` (fp32 [64] each;
-        j = 0 g_cum, 1 beta, 2 r_k, 3 qf, 4 g_cum of the chunk's last valid row repeated), once both chain partitions
-        have released the stage (``emp``: chunk c - NS done). A stage's ``bars`` barrier completes on two arrivals,
-        the TMA's (with its bytes) and this warp's after the gate stores: the chain partitions neither issue copies
-        nor wait on global loads. AP: the columns between two value heads' Ainv (and P) tiles in their descriptors'
-        rows (64: their own buffers; 128: packed into o's rows, ``launch_fused_pass``)."""
+        j = 0 g_cum, 1 beta, 2 r_k, 3 qf, 4 g_cum of the chunk's last valid row repeated; PA: 5, 6 below), once both
+        chain partitions have released the stage (``emp``: chunk c - NS done). A stage's ``bars`` barrier completes
+        on two arrivals, the TMA's (with its bytes) and this warp's after the gate stores: the chain partitions
+        neither issue copies nor wait on global loads. AP: the columns between two value heads' Ainv (and P) tiles
+        in their descriptors' rows (64: their own buffers; 128: packed into o's rows, ``launch_fused_pass``). PA: no P
+        tile; ``qf`` holds q's L2 row scalings r_q (fp32 [B, T, H]; 1 without the L2 norm), from which this warp
+        writes the qf row (scale r_q e^c) and the P partition's exponent rows 5 (w) and 6 (u) of ``_t_p_steps``."""
         C: gl.constexpr = 64
         i_h = i_hv // (HV // H)
         tok0 = i_b * T
         dt: gl.constexpr = k_desc.dtype
-        nbytes: gl.constexpr = (2 * C * K + C * BV + 2 * C * C) * (dt.primitive_bitwidth // 8)
+        if PA:
+            nbytes: gl.constexpr = (2 * C * K + C * BV + C * C) * (dt.primitive_bitwidth // 8)
+        else:
+            nbytes: gl.constexpr = (2 * C * K + C * BV + 2 * C * C) * (dt.primitive_bitwidth // 8)
         col_k = i_h * K
         col_v = i_hv * V + i_v * BV
         col_a = i_hv * AP
@@ -594,7 +599,8 @@ if G.AVAILABLE:
             _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(s), k_s.index(s), v_s.index(s), a_s.index(s), row,
                                col_k, col_v, col_a, c < c_end, nbytes)
             tma_load(q_desc, [row, col_k], bars.index(s), q_s.index(s))
-            tma_load(p_desc, [row, col_a], bars.index(s), p_s.index(s))
+            if not PA:
+                tma_load(p_desc, [row, col_a], bars.index(s), p_s.index(s))
             g, b, rk, g_last = _chunk_gates(gcum, beta, rk_in, bos + c * C, t1, eos, tok0, i_b, i_h, i_hv, c < c_end,
                                             s_bb, s_bt, s_bh, H, HV, USE_L2)
             gts = s * 8
@@ -602,23 +608,34 @@ if G.AVAILABLE:
             gt_s.index(gts + 1).store(b)
             gt_s.index(gts + 2).store(rk)
             rows = bos + c * C + t1
-            gt_s.index(gts + 3).store(gl.load(qf + (tok0 + rows) * HV + i_hv, mask=rows < eos, other=0.0))
+            if PA:
+                LOG2E: gl.constexpr = 1.4426950408889634
+                if USE_L2:
+                    rq = gl.load(qf + (tok0 + rows) * H + i_h, mask=rows < eos, other=0.0) * scale
+                else:
+                    rq = gl.where(rows < eos, scale, 0.0)
+                gt_s.index(gts + 3).store(rq * gl.exp(g))
+                gt_s.index(gts + 5).store(gl.where(rows < eos, g * LOG2E + gl.log2(rq), float("-inf")))
+                gt_s.index(gts + 6).store(gl.log2(rk) - g * LOG2E)
+            else:
+                gt_s.index(gts + 3).store(gl.load(qf + (tok0 + rows) * HV + i_hv, mask=rows < eos, other=0.0))
             gt_s.index(gts + 4).store(gl.zeros([C], gl.float32, layout=lay) + g_last)
             cta_barrier()
             mbarrier.arrive(bars.index(s), count=1)
 
     @gluon.jit
     def _t_steps(
-        k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+        k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
         n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, half,
         s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
         HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HB: gl.constexpr,
         INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
-        NS: gl.constexpr,
+        NS: gl.constexpr, PA: gl.constexpr = False,
     ):
         """One warpgroup's 64 rows (V columns i_v BV + half HB ..) of the register-state chain; the tiles and gates
-        of chunk c come from ring stage c % NS (filled by ``_t_loader``), released on ``emp`` when done."""
+        of chunk c come from ring stage c % NS (filled by ``_t_loader``), released on ``emp`` when done. PA: the
+        stage's P tile and qf row are the P partition's (``_t_p_steps``), waited for on ``prdy`` before use."""
         C: gl.constexpr = 64
         tok0 = i_b * T
         dt: gl.constexpr = k_s.dtype
@@ -672,6 +689,8 @@ if G.AVAILABLE:
             dec = gl.where(m, gl.exp(g_last - gt_s.index(gts).load(cols)) * gt_s.index(gts + 2).load(cols), 0.0)
             da = gl.convert_layout((vnt * dec[None, :]).to(dt), opA)
             va = gl.convert_layout(vnt.to(dt), opA)
+            if PA:
+                mbarrier.wait(prdy.index(s), (it // NS) & 1)
             st = warpgroup_mma(da, k_s.index(s), st * gl.exp(g_last), is_async=True)
             ot = warpgroup_mma(va, p_s.index(s).permute((1, 0)), qst * gt_s.index(gts + 3).load(cols)[None, :],
                                is_async=True)
@@ -688,6 +707,37 @@ if G.AVAILABLE:
             gl.store(p1, st.to(ht.dtype.element_ty), mask=m_vk & ok1)
 
     @gluon.jit
+    def _t_p_steps(k_s, q_s, p_s, bars, emp, prdy, gt_s, c_beg, c_end, NS: gl.constexpr):
+        """The register-state kernel's P partition (4 warps, PA): per chunk c, once stage c % NS has landed, P =
+        causal(Q K^T (x) 2^(w_i + u_j)) into the stage's P tile, w and u being the stage's gate rows 5 and 6 (the load
+        warp's: w = c log2 e + log2(scale r_q), -inf past the sequence; u = log2 r_k - c log2 e), so that
+        2^(w_i + u_j) = scale r_q,i r_k,j e^(c_i - c_j), as the prepare kernel forms P; then ``prdy`` for the chain
+        partitions and ``emp`` for the load warp. Its instructions share the SM's issue slots with the chains' (the
+        kernel is issue-bound there: every instruction here costs them time), hence the scalings folded into one
+        exponent per element and the row vectors formed by the load warp."""
+        C: gl.constexpr = 64
+        dt: gl.constexpr = k_s.dtype
+        mma_p: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
+        trow = gl.arange(0, C, layout=gl.SliceLayout(1, mma_p))
+        tcol = gl.arange(0, C, layout=gl.SliceLayout(0, mma_p))
+        zero_p = gl.zeros([C, C], gl.float32, layout=mma_p)
+        for c in range(c_beg, c_end):
+            it = c - c_beg
+            s = it % NS
+            gts = s * 8
+            mbarrier.wait(bars.index(s), (it // NS) & 1)
+            qk = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zero_p, use_acc=False, is_async=True)
+            w = gt_s.index(gts + 5).load(gl.SliceLayout(1, mma_p))
+            u = gt_s.index(gts + 6).load(gl.SliceLayout(0, mma_p))
+            qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_s, k_s])
+            pt = gl.where(tcol[None, :] <= trow[:, None], qk * gl.exp2(w[:, None] + u[None, :]), 0.0)
+            p_s.index(s).store(pt.to(dt))
+            fence_async_shared()
+            cta_barrier()
+            mbarrier.arrive(prdy.index(s), count=1)
+            mbarrier.arrive(emp.index(s), count=1)
+
+    @gluon.jit
     def _chunk_fused_t_sm90_kernel(
         k_desc, v_desc, a_desc, q_desc, p_desc,
         beta, gcum, rk_in, qf, o, h0, ht, h0_idx, ht_idx, o_idx, segments, cu_seqlens,
@@ -697,6 +747,7 @@ if G.AVAILABLE:
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
         HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, WREGS: gl.constexpr,
         LREGS: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False, AP: gl.constexpr = 64,
+        PA: gl.constexpr = False, AREGS: gl.constexpr = 0, scale=1.0,
     ):
         """The fused state + output pass with the state transposed and held in registers, over V tile BV = 128 as two
         warpgroup partitions (``_t_steps``, 64 rows of S^T [BV, K] each) fed by a one-warp load partition
@@ -712,7 +763,9 @@ if G.AVAILABLE:
         Same inputs and outputs as ``_chunk_fused_sm90_kernel`` without STORE_H / STORE_VNEW. AP 128: Ainv and P of
         (token, value head) are the two halves of o's row there (``launch_fused_pass``): a chunk's tiles are in shared
         memory before either partition stores the chunk's o over them, and no other CTA reads those rows but as the
-        masked tail of a partial chunk."""
+        masked tail of a partial chunk. PA: P formed in the kernel by a fourth partition (``_t_p_steps``, 4 warps at
+        AREGS registers, from the stage's q and k tiles), qf by the load warp from q's L2 row scalings in ``qf``
+        (fp32 [B, T, H]) and ``scale``; ``p_desc`` unused, a stage released on three arrivals."""
         C: gl.constexpr = 64
         HB: gl.constexpr = BV // 2
         pdl_enter(PDL)
@@ -725,28 +778,51 @@ if G.AVAILABLE:
         v_s = gl.allocate_shared_memory(dt, [NS, C, BV], v_desc.layout)
         a_s = gl.allocate_shared_memory(dt, [NS, C, C], a_desc.layout)
         q_s = gl.allocate_shared_memory(dt, [NS, C, K], q_desc.layout)
-        p_s = gl.allocate_shared_memory(dt, [NS, C, C], p_desc.layout)
+        if PA:
+            p_s = gl.allocate_shared_memory(dt, [NS, C, C], a_desc.layout)
+        else:
+            p_s = gl.allocate_shared_memory(dt, [NS, C, C], p_desc.layout)
         bars = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         emp = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
+        prdy = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         gt_s = gl.allocate_shared_memory(gl.float32, [NS * 8, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=2)      # the TMA's expect-arrive and the gate rows' arrive
-            mbarrier.init(emp.index(j), count=2)       # the two chain partitions
-        gl.warp_specialize([
-            (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
-                        n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 0,
-                        s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-                        HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
-                        O_INDEXED, NS)),
-            (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
-                        n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 1,
-                        s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-                        HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
-                        O_INDEXED, NS)),
-            (_t_loader, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
-                         beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
-                         H, HV, K, V, BV, USE_L2, NS, AP)),
-        ], [4, 1], [WREGS, LREGS])
+            mbarrier.init(emp.index(j), count=3 if PA else 2)   # the two chain partitions (and the P partition)
+            mbarrier.init(prdy.index(j), count=1)      # PA: the stage's P tile and qf row are written
+        if PA:
+            gl.warp_specialize([
+                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+                            n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 0,
+                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                            HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
+                            O_INDEXED, NS, True)),
+                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+                            n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 1,
+                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                            HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
+                            O_INDEXED, NS, True)),
+                (_t_p_steps, (k_s, q_s, p_s, bars, emp, prdy, gt_s, c_beg, c_end, NS)),
+                (_t_loader, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
+                             beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
+                             H, HV, K, V, BV, USE_L2, NS, AP, True, scale)),
+            ], [4, 4, 1], [WREGS, AREGS, LREGS])
+        else:
+            gl.warp_specialize([
+                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+                            n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 0,
+                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                            HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
+                            O_INDEXED, NS)),
+                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+                            n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 1,
+                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
+                            HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
+                            O_INDEXED, NS)),
+                (_t_loader, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
+                             beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
+                             H, HV, K, V, BV, USE_L2, NS, AP)),
+            ], [4, 1], [WREGS, LREGS])
 
 
 _GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -759,6 +835,11 @@ _GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 OUTPUT_PARTITION_REGS = 160
 T_CHAIN_REGS = 216
 T_LOADER_REGS = 32
+# ... and with the P partition (PA: four warpgroups, 512 per thread slot): chain 200 / 200 (the default partition
+# gets 512 - 200 - 88 - 24), P partition 88, load warp 24
+T_PA_CHAIN_REGS = 200
+T_PA_AUX_REGS = 88
+T_PA_LOADER_REGS = 24
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -917,7 +998,8 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     :func:`launch_state_pass` (ainv mode). ``transposed`` (V tile 128, no h / v_new stores: :func:`transposed_ok`):
     the register-state kernel ``_chunk_fused_t_sm90_kernel`` instead; there Ainv and P may be the two column halves of
     o's own [B, T, HV, 128] rows (views at head pitch 128, written by the prepare kernel: a call's peak then holds
-    no Ainv / P beside o). ``load_warp``: the V tile 32 / 64 kernel's ring
+    no Ainv / P beside o), and with ``p`` None it forms P and qf itself (its P partition, PA; Ainv alone may then be
+    the first half of o's rows). ``load_warp``: the V tile 32 / 64 kernel's ring
     filled by a load warp (``_tma_loader``) instead of its chain partition. ``pdl`` as :func:`launch_state_pass`'s."""
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
@@ -925,15 +1007,15 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     v_desc = _desc(_rows2d(v), (CHUNK, BV), dn)
     # Ainv / P: their own contiguous buffers, or (register-state kernel) packed as the two halves of o's rows
     ap = ainv.stride(2)
-    if ap != CHUNK and not (transposed and p is not None and p.stride(2) == ap and pitched_rows_ok(ainv)
-                            and pitched_rows_ok(p)):
+    if ap != CHUNK and not (transposed and (p is None or p.stride(2) == ap) and pitched_rows_ok(ainv)
+                            and (p is None or pitched_rows_ok(p))):
         raise ValueError("launch_fused_pass: Ainv / P at a head pitch other than 64 need the register-state kernel "
                          "(V tile 128) and P at the same pitch")
     a_desc = _desc(_pitched_rows2d(ainv), (CHUNK, CHUNK), dn)
-    # p None (V tile 32 / 64): the output partition forms P and qf itself from q, k tiles (k's descriptor here)
+    # p None: the kernel forms P and qf itself from q, k tiles (k's descriptor here, unused by the register-state one)
     p_desc = _desc(_pitched_rows2d(p), (CHUNK, CHUNK), dn) if p is not None else k_desc
-    if p is None and (transposed or rk is None and use_l2):
-        raise ValueError("launch_fused_pass: P formed in the kernel needs V tile 32 / 64 and, with the L2 norm, rk")
+    if p is None and rk is None and use_l2:
+        raise ValueError("launch_fused_pass: P formed in the kernel needs, with the L2 norm, rk")
     if transposed:
         if not transposed_ok(K, V, BV, h_out, vnew):
             raise ValueError(f"launch_fused_pass: the register-state kernel takes V tile 128 dividing V, K = 128, no "
@@ -941,12 +1023,15 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
                              f"vnew={vnew is not None})")
         launch(_chunk_fused_t_sm90_kernel, grid,
             k_desc, v_desc, a_desc, q_desc, p_desc,
-            beta, g_cum, rk, qf, o, h0 if h0 is not None else g_cum, ht if ht is not None else g_cum, h0_idx, ht_idx,
+            beta, g_cum, rk, qf if qf is not None else g_cum, o, h0 if h0 is not None else g_cum,
+            ht if ht is not None else g_cum, h0_idx, ht_idx,
             o_idx if o_idx is not None else h0_idx, segments, cu_seqlens, T, P0, P1, PO, *s_beta, *s0, *s1,
             H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
             H0_INDEXED=H0_INDEXED, STORE_FINAL=ht is not None, HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED,
-            O_INDEXED=o_idx is not None, NS=2, WREGS=T_CHAIN_REGS, LREGS=T_LOADER_REGS, num_warps=4,
-            **({"AP": ap} if ap != CHUNK else {}), **pdl_args(pdl, k.device))
+            O_INDEXED=o_idx is not None, NS=2, num_warps=4, **({"AP": ap} if ap != CHUNK else {}),
+            **(dict(PA=True, scale=float(scale), WREGS=T_PA_CHAIN_REGS, AREGS=T_PA_AUX_REGS, LREGS=T_PA_LOADER_REGS)
+               if p is None else dict(WREGS=T_CHAIN_REGS, LREGS=T_LOADER_REGS)),
+            **pdl_args(pdl, k.device))
         return
     # no h store: a descriptor is still an argument (never stored through)
     h_desc = _desc(h_out.view(-1, V), (K, BV), dn) if h_out is not None else q_desc

@@ -231,8 +231,8 @@ if G.AVAILABLE:
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
-        [B*T, HV] fp32, Ainv and P [B*T, HV, 64] (k's dtype), r_k and (STORE_RQ, with P and the L2 norm) r_q
-        [B*T, H] fp32 (by the key head's first value head); STORE_W: the backward's W = Ainv diag(beta e^c r_k) k
+        [B*T, HV] fp32, Ainv and P [B*T, HV, 64] (k's dtype), r_k and (STORE_RQ, with the L2 norm; without
+        P q's tile is loaded for it alone) r_q [B*T, H] fp32 (by the key head's first value head); STORE_W: the backward's W = Ainv diag(beta e^c r_k) k
         [B*T, HV, K] (k's dtype; from the stored, rounded Ainv, as the reverse pass's W_AINV form computes it).
         SOLVE_F16: ``flags`` int8 [NT * HV, 64] <- per row of the item's Ainv, 1 where its fp16 products overflowed
         (the item's Ainv / W are then redone by ``prepare._prepare_redo_kernel``), else 0. AP: elements between two
@@ -253,12 +253,13 @@ if G.AVAILABLE:
         dt: gl.constexpr = k_desc.dtype
         nvmma: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.float32)
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        LOAD_Q: gl.constexpr = STORE_P or STORE_RQ
         k_s = gl.allocate_shared_memory(dt, [C, K], k_desc.layout)
-        if STORE_P:
+        if LOAD_Q:
             q_s = gl.allocate_shared_memory(dt, [C, K], q_desc.layout)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
-        if STORE_P:
+        if LOAD_Q:
             mbarrier.expect(bar, 2 * C * K * (dt.primitive_bitwidth // 8))
             tma_load(k_desc, [tok0 + t0, i_h * K], bar, k_s)
             tma_load(q_desc, [tok0 + t0, i_h * K], bar, q_s)
@@ -300,6 +301,9 @@ if G.AVAILABLE:
             else:
                 rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
             kk = warpgroup_mma_wait(1, deps=[kk])
+        elif STORE_RQ:      # r_q alone (the register-state kernel forms P: chunk_fwd.state_sm90_t_p_in_kernel)
+            gl.store(rq_out + tok_r * H + i_h, _tile_rnorm(q_s, rl, num_warps), mask=m_r & (i_hv % (HV // H) == 0))
+            kk, _, _ = warpgroup_mma_wait(0, deps=[kk, k_s, q_s])
         else:
             kk, _ = warpgroup_mma_wait(0, deps=[kk, k_s])
         if USE_L2:
@@ -406,10 +410,11 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
 
 
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
-                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None, solve_f16=False, flags=None, pdl=False):
+                   H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None, solve_f16=False, flags=None, pdl=False,
+                   rq_of=None):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
-    P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with q and the L2 norm; the caller
-    passes it only then); ``w`` [B, T, HV, K] (contiguous, k's dtype): also W. ``solve_f16``: the fp16 solve, which
+    P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with the L2 norm, from ``q``, or
+    without P from ``rq_of``, the q whose tiles are then loaded for it alone; the caller passes it only then); ``w`` [B, T, HV, K] (contiguous, k's dtype): also W. ``solve_f16``: the fp16 solve, which
     writes the overflow flags ``flags`` (int8 [NT * HV, 64], one per row; the caller redoes the flagged items).
     ``pdl``: programmatic dependent launch (:func:`gdn.kernels.launch.pdl_args`). Unused tensors may be None.
     Ainv and P [B, T, HV, 64]: contiguous, or views at one head pitch (``hopper.pitched_rows_ok``: the two halves of
@@ -421,7 +426,8 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
         raise ValueError("launch_prepare: Ainv and P must be token rows at one head pitch (16-byte aligned)")
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
-    q_desc = _desc(_rows2d(q), (CHUNK, K), dn) if q is not None else k_desc
+    qq = q if q is not None else rq_of
+    q_desc = _desc(_rows2d(qq), (CHUNK, K), dn) if qq is not None else k_desc
     a_desc = _desc(_pitched_rows2d(ainv), (CHUNK, CHUNK), dn)
     p_desc = _desc(_pitched_rows2d(p), (CHUNK, CHUNK), dn) if p is not None else a_desc
     launch(_chunk_prepare_sm90_kernel, (NT * HV,),

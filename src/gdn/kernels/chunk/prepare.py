@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .. import tuning
-from ..common import cdiv, pdl_enter
+from ..common import cdiv, l2_rnorm, pdl_enter
 from ..launch import pdl_args
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _load_tile,
                      _pow2, _rn, _seq_span, _strides3)
@@ -287,7 +287,8 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
                       chunk_index: Optional[ChunkIndex] = None, ainv_dtype: torch.dtype = torch.float32,
                       rk: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None, scale: float = 1.0,
                       rq: Optional[torch.Tensor] = None, keep_w: bool = False,
-                      ainv_out: Optional[torch.Tensor] = None, p_out: Optional[torch.Tensor] = None):
+                      ainv_out: Optional[torch.Tensor] = None, p_out: Optional[torch.Tensor] = None,
+                      rq_of: Optional[torch.Tensor] = None):
     """Fused cumsum + K K^T + triangular solve + W/U.
 
     k [B, T, H, K], v [B, T, HV, V] (strided, last dim contiguous), g, beta [B, T, HV] (any float dtype; g log-space,
@@ -304,6 +305,8 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     there ``keep_w`` has it store the backward's W too (returned as w; elsewhere ``keep_w`` is ignored and w is
     None). ``ainv_out`` / ``p_out``: where that sm_90 launch writes Ainv / P instead of new buffers ([B, T, HV, 64]
     views at one head pitch, e.g. the two halves of o's rows; only where :func:`sm90_prepare_taken` says so).
+    ``rq_of`` (q [B, T, H, K], without ``q``; with ``rq`` and the L2 norm): q's L2 row scalings into ``rq`` without P
+    (the sm_90 prepare loads q's tiles for them; elsewhere :func:`gdn.kernels.common.l2_rnorm`).
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
@@ -332,6 +335,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     dummy = g_cum
     store_rk = rk is not None and bool(use_qk_l2norm_in_kernel)
     store_rq = rq is not None and q is not None and bool(use_qk_l2norm_in_kernel)
+    rq_alone = rq is not None and q is None and rq_of is not None and bool(use_qk_l2norm_in_kernel)
     solve_prec = _solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype)
     if sm90:
         w = _empty(B, T, HV, K, device=dev, dtype=dt) if keep_w else None
@@ -342,11 +346,14 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
             cu_seqlens, ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
             use_l2=bool(use_qk_l2norm_in_kernel), is_varlen=ci.is_varlen,
             maxnreg=_sm90_prepare_cap(cfg, q is not None, keep_w, HV > H),
-            rq=rq if store_rq else None, w=w, solve_f16=f16, flags=flags, pdl=cfg.pdl)
+            rq=rq if (store_rq or rq_alone) else None, w=w, solve_f16=f16, flags=flags, pdl=cfg.pdl,
+            rq_of=rq_of if rq_alone else None)
         if f16:
             redo_overflowed(flags, k, beta, g_cum, ainv, w, ci, cu_seqlens, T, use_qk_l2norm_in_kernel,
                             pdl=cfg.pdl)
         return (g_cum, ainv, w, u) + extra
+    if rq_alone:
+        rq.copy_(l2_rnorm(rq_of))
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
     _launch(_chunk_prepare_kernel, (ci.NT * HV,),
