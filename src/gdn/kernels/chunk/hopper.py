@@ -571,8 +571,9 @@ if G.AVAILABLE:
     ):
         """The register-state kernel's load partition (one warp): chunk c's k, v, Ainv, q and P tiles by TMA into ring
         stage c % NS, and its per-row gates into the stage's gate rows ``gt_s[8 (c % NS) + j]`` (fp32 [64] each;
-        j = 0 g_cum, 1 beta, 2 r_k, 3 qf, 4 g_cum of the chunk's last valid row repeated; PA: 5, 6 below), once both
-        chain partitions have released the stage (``emp``: chunk c - NS done). A stage's ``bars`` barrier completes
+        j = 0 e^c r_k, 1 beta, 2 e^(c_L - c) r_k, 3 qf, 4 e^(c_L) repeated (c the rows' g_cum, c_L the last valid
+        row's, r_k 0 past the sequence: the chains' factors formed here, off their issue slots; PA: 5, 6 below), once
+        both chain partitions have released the stage (``emp``: chunk c - NS done). A stage's ``bars`` barrier completes
         on two arrivals, the TMA's (with its bytes) and this warp's after the gate stores: the chain partitions
         neither issue copies nor wait on global loads. AP: the columns between two value heads' Ainv (and P) tiles
         in their descriptors' rows (64: their own buffers; 128: packed into o's rows, ``launch_fused_pass``). PA: no P
@@ -604,9 +605,9 @@ if G.AVAILABLE:
             g, b, rk, g_last = _chunk_gates(gcum, beta, rk_in, bos + c * C, t1, eos, tok0, i_b, i_h, i_hv, c < c_end,
                                             s_bb, s_bt, s_bh, H, HV, USE_L2)
             gts = s * 8
-            gt_s.index(gts).store(g)
+            gt_s.index(gts).store(gl.exp(g) * rk)
             gt_s.index(gts + 1).store(b)
-            gt_s.index(gts + 2).store(rk)
+            gt_s.index(gts + 2).store(gl.exp(g_last - g) * rk)
             rows = bos + c * C + t1
             if PA:
                 LOG2E: gl.constexpr = 1.4426950408889634
@@ -619,7 +620,7 @@ if G.AVAILABLE:
                 gt_s.index(gts + 6).store(gl.log2(rk) - g * LOG2E)
             else:
                 gt_s.index(gts + 3).store(gl.load(qf + (tok0 + rows) * HV + i_hv, mask=rows < eos, other=0.0))
-            gt_s.index(gts + 4).store(gl.zeros([C], gl.float32, layout=lay) + g_last)
+            gt_s.index(gts + 4).store(gl.zeros([C], gl.float32, layout=lay) + gl.exp(g_last))
             cta_barrier()
             mbarrier.arrive(bars.index(s), count=1)
 
@@ -675,23 +676,22 @@ if G.AVAILABLE:
             kst = warpgroup_mma(sa, k_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             vt = v_s.index(s).slice(half * HB, HB, dim=1).permute((1, 0)).load(m64)
             qst, kst, sa = warpgroup_mma_wait(0, deps=[qst, kst, sa])
-            # the token vectors are read from the gate rows where used (again for dec below), not held: in this
-            # layout each costs 16 registers per thread
-            b_g = gt_s.index(gts).load(cols)
-            fk = gl.exp(b_g) * gt_s.index(gts + 2).load(cols)
+            # the token vectors are read from the gate rows where used, not held: in this layout each costs 16
+            # registers per thread; the load warp formed them (the chains are issue-bound: bench/NOTES.md)
+            fk = gt_s.index(gts).load(cols)
             rt = gl.where(m[None, :], (vt.to(gl.float32) - kst * fk[None, :]) * gt_s.index(gts + 1).load(cols)[None, :],
                           0.0)
             ra = gl.convert_layout(rt.to(dt), opA)
             vnt = warpgroup_mma(ra, a_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             vnt, ra = warpgroup_mma_wait(0, deps=[vnt, ra])
             vnt = gl.where(m[None, :], vnt, 0.0)
-            g_last = gl.max(gt_s.index(gts + 4).load(cols), axis=0)
-            dec = gl.where(m, gl.exp(g_last - gt_s.index(gts).load(cols)) * gt_s.index(gts + 2).load(cols), 0.0)
+            e_last = gl.max(gt_s.index(gts + 4).load(cols), axis=0)
+            dec = gt_s.index(gts + 2).load(cols)
             da = gl.convert_layout((vnt * dec[None, :]).to(dt), opA)
             va = gl.convert_layout(vnt.to(dt), opA)
             if PA:
                 mbarrier.wait(prdy.index(s), (it // NS) & 1)
-            st = warpgroup_mma(da, k_s.index(s), st * gl.exp(g_last), is_async=True)
+            st = warpgroup_mma(da, k_s.index(s), st * e_last, is_async=True)
             ot = warpgroup_mma(va, p_s.index(s).permute((1, 0)), qst * gt_s.index(gts + 3).load(cols)[None, :],
                                is_async=True)
             st, ot, da, va = warpgroup_mma_wait(0, deps=[st, ot, da, va])
