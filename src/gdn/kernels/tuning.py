@@ -97,7 +97,7 @@ class ChunkForward:
     # ... unsegmented, with P formed in the kernel by a fourth partition (hopper._t_p_steps: Q K^T from the stage's
     # q / k tiles, the scalings as one exponent from gate rows the load warp forms) instead of read from the
     # prepare kernel, which then writes no P (it loads q for r_q alone). H100 forward kernels, off / on alternating
-    # twice (bench/results/fwd_t_p_in_kernel_ab_h100.json): 4x4096 16/32 372 / 373 -> 349 / 351 us, 16x1024
+    # twice (bench/results/fwd_t_p_partition_ab_h100.json): 4x4096 16/32 372 / 373 -> 349 / 351 us, 16x1024
     # 397 / 394 -> 368 / 369, 4x4096 16/64 724 / 721 -> 709 / 705; the segmented final pass at 1x65536 2/8 loses
     # (591 / 588 -> 600 / 599: its kernel is issue-bound there, not byte-bound), so segmented plans read P
     state_sm90_t_p_in_kernel: bool = True

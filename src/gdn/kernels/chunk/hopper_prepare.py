@@ -232,8 +232,9 @@ if G.AVAILABLE:
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
         [B*T, HV] fp32, Ainv and P [B*T, HV, 64] (k's dtype), r_k and (STORE_RQ, with the L2 norm; without
-        P q's tile is loaded for it alone) r_q [B*T, H] fp32 (by the key head's first value head); STORE_W: the backward's W = Ainv diag(beta e^c r_k) k
-        [B*T, HV, K] (k's dtype; from the stored, rounded Ainv, as the reverse pass's W_AINV form computes it).
+        P q's tile is loaded for it alone) r_q [B*T, H] fp32 (by the key head's first value head); STORE_W: the
+        backward's W = Ainv diag(beta e^c r_k) k [B*T, HV, K] (k's dtype; from the stored, rounded Ainv, as the
+        reverse pass's W_AINV form computes it).
         SOLVE_F16: ``flags`` int8 [NT * HV, 64] <- per row of the item's Ainv, 1 where its fp16 products overflowed
         (the item's Ainv / W are then redone by ``prepare._prepare_redo_kernel``), else 0. AP: elements between two
         value heads' Ainv (and P) rows of one token (64: their own buffers; 128: packed into o's rows)."""
@@ -414,7 +415,8 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
                    rq_of=None):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
     P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with the L2 norm, from ``q``, or
-    without P from ``rq_of``, the q whose tiles are then loaded for it alone; the caller passes it only then); ``w`` [B, T, HV, K] (contiguous, k's dtype): also W. ``solve_f16``: the fp16 solve, which
+    without P from ``rq_of``, the q whose tiles are then loaded for it alone; the caller passes it only then);
+    ``w`` [B, T, HV, K] (contiguous, k's dtype): also W. ``solve_f16``: the fp16 solve, which
     writes the overflow flags ``flags`` (int8 [NT * HV, 64], one per row; the caller redoes the flagged items).
     ``pdl``: programmatic dependent launch (:func:`gdn.kernels.launch.pdl_args`). Unused tensors may be None.
     Ainv and P [B, T, HV, 64]: contiguous, or views at one head pitch (``hopper.pitched_rows_ok``: the two halves of

@@ -337,6 +337,9 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     store_rq = rq is not None and q is not None and bool(use_qk_l2norm_in_kernel)
     rq_alone = rq is not None and q is None and rq_of is not None and bool(use_qk_l2norm_in_kernel)
     solve_prec = _solve_precision(cfg, dt, ainv_dtype if store_ainv else out_dtype)
+    if rq_alone and not (sm90 and hopper_prepare.supported(k, rq_of, K, ainv_dtype, solve_prec)):
+        rq.copy_(l2_rnorm(rq_of))       # (the portable prepare, or a q the sm_90 one cannot load)
+        rq_alone = False
     if sm90:
         w = _empty(B, T, HV, K, device=dev, dtype=dt) if keep_w else None
         f16 = bool(cfg.solve_sm90_f16)
@@ -352,8 +355,6 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
             redo_overflowed(flags, k, beta, g_cum, ainv, w, ci, cu_seqlens, T, use_qk_l2norm_in_kernel,
                             pdl=cfg.pdl)
         return (g_cum, ainv, w, u) + extra
-    if rq_alone:
-        rq.copy_(l2_rnorm(rq_of))
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
     _launch(_chunk_prepare_kernel, (ci.NT * HV,),
