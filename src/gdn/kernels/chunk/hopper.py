@@ -636,7 +636,7 @@ if G.AVAILABLE:
     ):
         """One warpgroup's 64 rows (V columns i_v BV + half HB ..) of the register-state chain; the tiles and gates
         of chunk c come from ring stage c % NS (filled by ``_t_loader``), released on ``emp`` when done. PA: the
-        stage's P tile and qf row are the P partition's (``_t_p_steps``), waited for on ``prdy`` before use."""
+        stage's P tile is the P partition's (``_t_p_steps``), waited for on ``prdy`` before use."""
         C: gl.constexpr = 64
         tok0 = i_b * T
         dt: gl.constexpr = k_s.dtype
@@ -789,7 +789,8 @@ if G.AVAILABLE:
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=2)      # the TMA's expect-arrive and the gate rows' arrive
             mbarrier.init(emp.index(j), count=3 if PA else 2)   # the two chain partitions (and the P partition)
-            mbarrier.init(prdy.index(j), count=1)      # PA: the stage's P tile and qf row are written
+            mbarrier.init(prdy.index(j), count=1)      # PA: the stage's P tile is written
+        # (two calls: Gluon 3.6 builds no partition tuple outside the call)
         if PA:
             gl.warp_specialize([
                 (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
