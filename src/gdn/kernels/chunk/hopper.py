@@ -664,11 +664,12 @@ if G.AVAILABLE:
         o_t = gl.arange(0, C, layout=gl.SliceLayout(1, ol))
         o_v = v0 + gl.arange(0, HB, layout=gl.SliceLayout(0, ol))
         zero = gl.zeros([HB, C], gl.float32, layout=m64)
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])   # a [1] row: every thread holds the element
         for c in range(c_beg, c_end):
             it = c - c_beg
             s = it % NS
-            rows = bos + c * C + to
-            m = rows < eos
+            # only a sequence's last chunk can be partial: the masks below run there alone (uniform branches)
+            partial = bos + c * C + C > eos
             sa = gl.convert_layout(st.to(dt), opK)
             mbarrier.wait(bars.index(s), (it // NS) & 1)
             gts = s * 8                     # this stage's gate rows
@@ -677,15 +678,19 @@ if G.AVAILABLE:
             vt = v_s.index(s).slice(half * HB, HB, dim=1).permute((1, 0)).load(m64)
             qst, kst, sa = warpgroup_mma_wait(0, deps=[qst, kst, sa])
             # the token vectors are read from the gate rows where used, not held: in this layout each costs 16
-            # registers per thread; the load warp formed them (the chains are issue-bound: bench/NOTES.md)
+            # registers per thread; the load warp formed them (fewer chain instructions: bench/NOTES.md)
             fk = gt_s.index(gts).load(cols)
-            rt = gl.where(m[None, :], (vt.to(gl.float32) - kst * fk[None, :]) * gt_s.index(gts + 1).load(cols)[None, :],
-                          0.0)
+            rt = (vt.to(gl.float32) - kst * fk[None, :]) * gt_s.index(gts + 1).load(cols)[None, :]
+            # past the sequence: r_k and beta are 0 there, the where keeps non-finite rows of a neighbour out
+            if partial:
+                rt = gl.where(((bos + c * C + to) < eos)[None, :], rt, 0.0)
             ra = gl.convert_layout(rt.to(dt), opA)
             vnt = warpgroup_mma(ra, a_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             vnt, ra = warpgroup_mma_wait(0, deps=[vnt, ra])
-            vnt = gl.where(m[None, :], vnt, 0.0)
-            e_last = gl.max(gt_s.index(gts + 4).load(cols), axis=0)
+            if partial:
+                vnt = gl.where(((bos + c * C + to) < eos)[None, :], vnt, 0.0)
+            # e^(c_L): one element of gate row 4 broadcast to every thread (a row load and a max cost ~27 instructions)
+            e_last = gl.sum(gt_s.index(gts + 4).slice(0, 1).load(one), axis=0)
             dec = gt_s.index(gts + 2).load(cols)
             da = gl.convert_layout((vnt * dec[None, :]).to(dt), opA)
             va = gl.convert_layout(vnt.to(dt), opA)
@@ -697,7 +702,9 @@ if G.AVAILABLE:
             st, ot, da, va = warpgroup_mma_wait(0, deps=[st, ot, da, va])
             mbarrier.arrive(emp.index(s), count=1)     # this partition is done with stage s and its gate rows
             # o^T -> o: rounded to o's dtype before the transposing layout conversion (half its shared-memory bytes)
-            ot = gl.where(keep, ot, 0.0).to(o.dtype.element_ty)
+            if not keep:
+                ot = zero
+            ot = ot.to(o.dtype.element_ty)
             oo = gl.convert_layout(gl.permute(ot, (1, 0)), ol)
             po = o + ((tok0 + bos + c * C + o_t) * HV + i_hv)[:, None] * V + o_v[None, :]
             gl.store(po, oo, mask=((bos + c * C + o_t) < eos)[:, None] & (o_v[None, :] < V))
