@@ -343,7 +343,11 @@ def chunk_pieces(device):
     """An inference forward in pieces (chunk_fwd.piece_token_heads: spans of one sequence carrying the state, groups
     of a batch's sequences) against the same call in one piece: one sequence and a batch, with an initial state, both
     layouts. On the GPU at sizes the default splits (1 x 32768 and 2 x 16384, 16/32 heads); elsewhere small, with
-    the piece size forced. The per-chunk arithmetic is the same, so the results are equal to rounding (tol 1e-6)."""
+    the piece size forced. The per-chunk state arithmetic is the same, so the final states are equal to rounding (tol
+    1e-6); o too where both runs take the same fused plan. 2 x 16384 in one piece runs the V tile 64 fused kernel,
+    which forms P with q's norms from a Q Q^T diagonal, and each 1 x 16384 piece the V tile 32 one, which reads the
+    prepare's P (norms from row sums of squares): those r_q differ in the last fp32 bits, which moves a few of P's
+    bf16 roundings (o ~2-3e-5 apart on the H100), hence o's 1e-4 there."""
     from ..kernels.tuning import override
 
     cuda = device.type == "cuda"
@@ -360,7 +364,8 @@ def chunk_pieces(device):
                 res.append(chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0, output_final_state=True,
                                                   use_qk_l2norm_in_kernel=True, state_layout=layout))
         name = f"pieces {B}x{T} {layout}"
-        out += [Result("chunk", name + " o vs one piece", rel_err(res[1][0], res[0][0]), 1e-6),
+        o_tol = 1e-4 if (cuda and B > 1) else 1e-6
+        out += [Result("chunk", name + " o vs one piece", rel_err(res[1][0], res[0][0]), o_tol),
                 Result("chunk", name + " final state vs one piece", rel_err(res[1][1], res[0][1]), 1e-6)]
     return out
 

@@ -6,7 +6,7 @@ from memory once).
 Per CTA (one chunk of C = 64 tokens, one value head; notation of ``prepare.py``)::
 
     k, q [64, K]          one TMA copy each into shared memory (g and beta loaded while they land)
-    c                     cumsum(g) as a masked row sum
+    c                     cumsum(g) by a scan inside each warp
     K K^T, Q K^T          asynchronous wgmma; r_k the inverse norms read off K K^T's diagonal, r_q q's (row sums
                           of squares on the CUDA cores while the products run)
     A, P, qf              A = strictLower(diag(beta r_k) (Gamma * K K^T) diag(r_k)); P and qf with q
@@ -33,6 +33,7 @@ they add nothing to A, and nothing is stored for them.
 from __future__ import annotations
 
 import torch
+import triton.language as tl
 
 from .. import _gluon_api as G
 from ..common import pdl_enter
@@ -110,6 +111,15 @@ if G.AVAILABLE:
         c4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, l4))))
         y4 = gl.expand_dims(gl.convert_layout(yt, gl.SliceLayout(2, l4)), 2)
         return gl.reshape(gl.where(b4[:, None, None, None] == c4[None, None, :, None], y4, 0.0), [C, C])
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _max_keep_nan(a, b):
+        """max(a, b), NaN if either is NaN (a reduction's combine function)."""
+        return gl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @gluon.jit
     def _shfl(x, src):
@@ -255,15 +265,22 @@ if G.AVAILABLE:
         nvmma: gl.constexpr = gl.NVMMASharedLayout.get_default_for([C, C], gl.float32)
         plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
         LOAD_Q: gl.constexpr = STORE_P or STORE_RQ
+        # r_q is stored by the key head's first value head; without P the others need no q at all
+        first = i_hv % (HV // H) == 0
         k_s = gl.allocate_shared_memory(dt, [C, K], k_desc.layout)
         if LOAD_Q:
             q_s = gl.allocate_shared_memory(dt, [C, K], q_desc.layout)
         bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         mbarrier.init(bar, count=1)
-        if LOAD_Q:
+        if STORE_P:
             mbarrier.expect(bar, 2 * C * K * (dt.primitive_bitwidth // 8))
             tma_load(k_desc, [tok0 + t0, i_h * K], bar, k_s)
             tma_load(q_desc, [tok0 + t0, i_h * K], bar, q_s)
+        elif STORE_RQ:
+            mbarrier.expect(bar, 2 * C * K * (dt.primitive_bitwidth // 8), pred=first)
+            mbarrier.expect(bar, C * K * (dt.primitive_bitwidth // 8), pred=not first)
+            tma_load(k_desc, [tok0 + t0, i_h * K], bar, k_s)
+            tma_load(q_desc, [tok0 + t0, i_h * K], bar, q_s, pred=first)
         else:
             mbarrier.expect(bar, C * K * (dt.primitive_bitwidth // 8))
             tma_load(k_desc, [tok0 + t0, i_h * K], bar, k_s)
@@ -278,10 +295,14 @@ if G.AVAILABLE:
         tok_r = (tok0 + t0 + tr).to(gl.int64)
         causal = tc[None, :] <= tr[:, None]
 
-        # ---- gates (while the tiles land): c = chunk-local cumsum of g (a masked row sum), beta
-        g_c = gl.load(g + i_b * s_gb + i_hv * s_gh + (t0 + tc) * s_gt, mask=tc < nv, other=0.0).to(gl.float32)
+        # ---- gates (while the tiles land): c = chunk-local cumsum of g, beta
+        # (a scan inside each warp on a replicated [64] row, then one conversion: a masked row sum over column-
+        # layout loads costs ~100 instructions more per item)
+        sl: gl.constexpr = gl.BlockedLayout([2], [32], [num_warps], [0])
+        ts = gl.arange(0, C, layout=sl)
+        g_s = gl.load(g + i_b * s_gb + i_hv * s_gh + (t0 + ts) * s_gt, mask=ts < nv, other=0.0).to(gl.float32)
         b_r = gl.load(beta + i_b * s_bb + i_hv * s_bh + (t0 + tr) * s_bt, mask=m_r, other=0.0).to(gl.float32)
-        c_r = gl.sum(gl.where(causal, g_c[None, :], 0.0), axis=1)
+        c_r = gl.convert_layout(gl.associative_scan(g_s, 0, _add), rl)
         gl.store(gcum + tok_r * HV + i_hv, c_r, mask=m_r)
 
         # ---- K K^T and Q K^T issued first; r_q (q's row norms on the CUDA cores, from q's tile) while they run; r_k
@@ -297,13 +318,15 @@ if G.AVAILABLE:
             if USE_L2:
                 rq = _tile_rnorm(q_s, rl, num_warps)
                 if STORE_RQ:
-                    gl.store(rq_out + tok_r * H + i_h, rq, mask=m_r & (i_hv % (HV // H) == 0))
+                    gl.store(rq_out + tok_r * H + i_h, rq, mask=m_r & first)
                 rq = rq * scale
             else:
                 rq = gl.full([C], 1.0, gl.float32, layout=rl) * scale
             kk = warpgroup_mma_wait(1, deps=[kk])
-        elif STORE_RQ:      # r_q alone (the register-state kernel forms P: chunk_fwd.state_sm90_t_p_in_kernel)
-            gl.store(rq_out + tok_r * H + i_h, _tile_rnorm(q_s, rl, num_warps), mask=m_r & (i_hv % (HV // H) == 0))
+        elif STORE_RQ:      # r_q alone (the register-state kernel forms P: chunk_fwd.state_sm90_t_p_in_kernel), by
+            # the key head's first value head only (~300 instructions per item; a uniform branch)
+            if first:
+                gl.store(rq_out + tok_r * H + i_h, _tile_rnorm(q_s, rl, num_warps), mask=m_r)
             kk, _, _ = warpgroup_mma_wait(0, deps=[kk, k_s, q_s])
         else:
             kk, _ = warpgroup_mma_wait(0, deps=[kk, k_s])
@@ -313,7 +336,7 @@ if G.AVAILABLE:
             rk_r = gl.full([C], 1.0, gl.float32, layout=rl)
             rk_c = gl.full([C], 1.0, gl.float32, layout=cl)
         if STORE_RK:
-            gl.store(rk_out + tok_r * H + i_h, rk_r, mask=m_r & (i_hv % (HV // H) == 0))
+            gl.store(rk_out + tok_r * H + i_h, rk_r, mask=m_r & first)
         # gam = Gamma diag(r_k): one exp2 per element, 0 above the diagonal; shared by A and P
         if USE_L2:   # c and r_k row -> column together: one conversion of the packed [C, 2] pair (2 barriers fewer)
             pair_l: gl.constexpr = gl.join(tc.to(gl.float32), tc.to(gl.float32)).type.layout   # [C, 2] over cl
@@ -336,6 +359,8 @@ if G.AVAILABLE:
             _store_chunk_tile(p_desc, p_st, p_out, att.to(dt), tok0 + t0, i_hv * AP, row_off, nv, C, num_warps)
             gl.store(qf_out + tok_r * HV + i_hv, rq * gl.exp(c_r), mask=m_r)
         # A after P: Q K^T's accumulator is dead before A takes registers
+        # (A's own mask keeps a non-finite key of a later token, a neighbour sequence's in a partial chunk included,
+        # out of the rows before it: Gamma's zeros above the diagonal would give NaN there)
         a = gl.where(tc[None, :] < tr[:, None], (kk * gam) * (b_r * rk_r)[:, None], 0.0)
         mbarrier.invalidate(bar)
         # ---- Ainv = (I + A)^-1 (module docstring)
@@ -367,8 +392,10 @@ if G.AVAILABLE:
             # inside each warp, no CTA barrier) for prepare._prepare_redo_kernel, which redoes the item with the
             # tf32 solve (an in-kernel redo cost this kernel 4-5% at 168 registers and kept it from 128, a CTA-wide
             # flag ~7% more: bench/NOTES.md)
-            bad = gl.max(gl.where(gl.abs(ai) < 1.0e30, 0.0, 1.0), axis=1)
-            gl.store(flags + pid * C + tr, bad.to(gl.int8))
+            # (the row max of |Ainv| with NaN kept, then one compare: a compare and a select per element cost ~130
+            # instructions more per item)
+            big = gl.reduce(gl.abs(ai), 1, _max_keep_nan)
+            gl.store(flags + pid * C + tr, gl.where(big < 1.0e30, 0, 1).to(gl.int8))
         ai = ai.to(dt)
         # Ainv's staging tile in the fp16 products' bytes (dead after the solve) where they exist
         a_lay: gl.constexpr = a_desc.layout
