@@ -197,6 +197,17 @@ def test_case_lists():
     assert C.select(full, ["conv"], "qwen35") == [c for c in full if c.op == "conv" and "qwen35" in c.key]
 
 
+def test_select_takes_comma_separated_alternatives():
+    """--match 'B4|T4096,B1|T8192': cases containing either text (a key's '|' is plain text), in the cases' order."""
+    full = C.full_cases()
+    two = C.select(full, ["chunk_fwd"], "B4|T4096,B1|T8192")
+    want = [c for c in full if c.op == "chunk_fwd" and ("B4|T4096" in c.key or "B1|T8192" in c.key)]
+    assert two == want and len(want) == 6
+    assert {c.batch for c in two} == {1, 4}
+    assert C.select(full, ["chunk_fwd"], "B4|T4096") == [c for c in want if c.batch == 4]
+    assert C.select(full, ["chunk_fwd"], "B4|T8192") == []      # not an alternation: no key holds that text
+
+
 def test_retime_noisy_keeps_the_least_noisy_measurement():
     """A noisy measurement is taken again, at most twice more, and the least noisy one is kept and marked; a clean
     one is taken once."""

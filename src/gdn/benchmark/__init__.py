@@ -33,7 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peers", action="store_true", help="time gdn only")
     p.add_argument("--peers", default=DEFAULT_PEERS, help="peers to time when importable (default: %(default)s)")
     p.add_argument("--device", default="cuda", help="CUDA device (default: %(default)s)")
-    p.add_argument("--match", default=None, help="only cases whose key or label contains this text")
+    p.add_argument("--match", default=None,
+                   help="only cases whose key or label contains this text (several: comma-separated, any of them)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no new case this many seconds after the first one started (the rest are "
                         "recorded as skipped; the ceilings and peer imports before it do not count)")

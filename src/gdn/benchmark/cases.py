@@ -252,12 +252,14 @@ def full_cases() -> List[Case]:
 
 
 def select(cases: Sequence[Case], ops: Optional[Sequence[str]] = None, match: Optional[str] = None) -> List[Case]:
-    """Filter by op (keeping the order of ``cases``) and by a substring of the case label or key."""
+    """Filter by op (keeping the order of ``cases``) and by substrings of the case label or key: ``match`` is one
+    substring or several separated by commas (any of them; a key's own '|' is plain text, e.g. 'B4|T4096')."""
+    alts = [m for m in match.split(",") if m] if match else []
     out = []
     for c in cases:
         if ops and c.op not in ops:
             continue
-        if match and match not in c.key and match not in c.label():
+        if alts and not any(m in c.key or m in c.label() for m in alts):
             continue
         out.append(c)
     return out
