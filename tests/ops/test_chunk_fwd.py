@@ -622,6 +622,17 @@ def test_pieces_check_passes():
     assert not bad, bad
 
 
+def test_nan_isolation_check_passes():
+    """``gdn check``'s NaN isolation case at its interpreter size: NaN in one sequence's q, k, v, g or beta leaves the
+    other sequences' o and final states bitwise unchanged, the neighbours sharing partial chunks with it."""
+    from gdn.checks.chunk import chunk_nan_isolation
+
+    results = chunk_nan_isolation(torch.device("cpu"))
+    assert len(results) == 5
+    bad = [(r.case, r.rel_err, r.tol) for r in results if not r.passed]
+    assert not bad, bad
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # autograd plumbing (the backward kernels live in gdn.kernels.chunk.backward)
 # ----------------------------------------------------------------------------------------------------------------------

@@ -371,6 +371,46 @@ def chunk_pieces(device):
 
 
 @register
+def chunk_nan_isolation(device):
+    """A non-finite input in one sequence of a varlen batch leaves the other sequences' outputs and final states
+    bitwise as they were (a serving batch: one bad request must not poison its neighbours). The poisoned sequence
+    shares partial chunks with both neighbours (a chunk's tile rows past a sequence's end hold the next sequence's
+    tokens), NaN on its first and last tokens, one input at a time. On the GPU two plans: 16/32 heads over four
+    sequences (past one wave: the register-state kernel) and 4/8 over three (the fused V tile 16 / 32 kernel)."""
+    cuda = device.type == "cuda"
+    configs = ([(16, 32, 128, 128, [4096 + 33, 70, 4095, 4000]), (4, 8, 128, 128, [1000, 70, 2000])] if cuda
+               else [(1, 2, 32, 16, [70, 60, 5])])
+    out = []
+    for H, HV, K, V, lens in configs:
+        T = sum(lens)
+        x = make_inputs(1, T, H, HV, K, V, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
+        h0 = torch.randn(len(lens), HV, K, V, device=device) * 0.5
+        cu = _cu(lens, device)
+        b0, b1 = int(cu[1]), int(cu[2])     # the poisoned sequence's tokens
+        others = torch.ones(T, dtype=torch.bool, device=device)
+        others[b0:b1] = False
+        keep = [n for n in range(len(lens)) if n != 1]
+
+        def run(inp):
+            with torch.no_grad():
+                return chunk_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state=h0,
+                                              output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+
+        names = ("q", "k", "v", "g", "beta")
+        clean = {n: getattr(x, n) for n in names}
+        o0, h1 = run(clean)
+        for name in names:
+            bad = dict(clean)
+            bad[name] = clean[name].clone()
+            bad[name][:, [b0, b1 - 1]] = float("nan")
+            o, ht = run(bad)
+            err = max(rel_err(o[:, others], o0[:, others]), rel_err(ht[keep], h1[keep]))
+            out.append(Result("chunk", f"NaN {name} in one of {len(lens)} seqs, {H}/{HV}: others unchanged", err,
+                              0.0))
+    return out
+
+
+@register
 def chunk_prepare_elementwise(device):
     """The prepare kernel's per-chunk outputs element by element (max error over max value) against float64, in every
     mode the library launches it (the forward's Ainv in the tensor-core dtype, with and without the output matrix P /
