@@ -376,7 +376,8 @@ def chunk_nan_isolation(device):
     bitwise as they were (a serving batch: one bad request must not poison its neighbours). The poisoned sequence
     shares partial chunks with both neighbours (a chunk's tile rows past a sequence's end hold the next sequence's
     tokens), NaN on its first and last tokens, one input at a time. On the GPU two plans: 16/32 heads over four
-    sequences (past one wave: the register-state kernel) and 4/8 over three (the fused V tile 16 / 32 kernel)."""
+    sequences (past one wave: the register-state kernel) and 4/8 over three (a few-head grid: the fused V tile 16 /
+    32 kernel, segmented where the planner splits the longest sequence)."""
     cuda = device.type == "cuda"
     configs = ([(16, 32, 128, 128, [4096 + 33, 70, 4095, 4000]), (4, 8, 128, 128, [1000, 70, 2000])] if cuda
                else [(1, 2, 32, 16, [70, 60, 5])])
