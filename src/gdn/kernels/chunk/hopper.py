@@ -719,9 +719,10 @@ if G.AVAILABLE:
         causal(Q K^T (x) 2^(w_i + u_j)) into the stage's P tile, w and u being the stage's gate rows 5 and 6 (the load
         warp's: w = c log2 e + log2(scale r_q), -inf past the sequence; u = log2 r_k - c log2 e), so that
         2^(w_i + u_j) = scale r_q,i r_k,j e^(c_i - c_j), as the prepare kernel forms P; then ``prdy`` for the chain
-        partitions and ``emp`` for the load warp. Its instructions share the SM's issue slots with the chains' (the
-        kernel is issue-bound there: every instruction here costs them time), hence the scalings folded into one
-        exponent per element and the row vectors formed by the load warp."""
+        partitions and ``emp`` for the load warp. Its instructions share the SM's issue slots with the chains'
+        (measured: each one per chunk cost the kernel ~0.1 us, bench/NOTES.md, though the chains' own are cheaper:
+        the kernel is bound by its bytes), hence the scalings folded into one exponent per element and the row
+        vectors formed by the load warp."""
         C: gl.constexpr = 64
         dt: gl.constexpr = k_s.dtype
         mma_p: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
