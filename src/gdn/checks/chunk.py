@@ -376,13 +376,18 @@ def chunk_nan_isolation(device):
     bitwise as they were (a serving batch: one bad request must not poison its neighbours). The poisoned sequence
     shares partial chunks with both neighbours (a chunk's tile rows past a sequence's end hold the next sequence's
     tokens), NaN on its first and last tokens, one input at a time. On the GPU two plans: 16/32 heads over four
-    sequences (past one wave: the register-state kernel) and 4/8 over three (a few-head grid: the fused V tile 16 /
-    32 kernel, segmented where the planner splits the longest sequence)."""
+    sequences (past one wave: the register-state kernel, P formed in it; again with P from the prepare kernel, and
+    on the V tile 64 fused kernel, P formed by its output partition) and 4/8 over three (a few-head grid: the fused
+    V tile 16 / 32 kernel, segmented where the planner splits the longest sequence)."""
+    from ..kernels.tuning import override
+
     cuda = device.type == "cuda"
-    configs = ([(16, 32, 128, 128, [4096 + 33, 70, 4095, 4000]), (4, 8, 128, 128, [1000, 70, 2000])] if cuda
-               else [(1, 2, 32, 16, [70, 60, 5])])
+    configs = ([(16, 32, 128, 128, [4096 + 33, 70, 4095, 4000], ({}, {"state_sm90_t_p_in_kernel": False},
+                                                                  {"state_sm90_fused_t": False})),
+                (4, 8, 128, 128, [1000, 70, 2000], ({},))] if cuda
+               else [(1, 2, 32, 16, [70, 60, 5], ({},))])
     out = []
-    for H, HV, K, V, lens in configs:
+    for H, HV, K, V, lens, tunings in configs:
         T = sum(lens)
         x = make_inputs(1, T, H, HV, K, V, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
         h0 = torch.randn(len(lens), HV, K, V, device=device) * 0.5
@@ -399,15 +404,18 @@ def chunk_nan_isolation(device):
 
         names = ("q", "k", "v", "g", "beta")
         clean = {n: getattr(x, n) for n in names}
-        o0, h1 = run(clean)
-        for name in names:
-            bad = dict(clean)
-            bad[name] = clean[name].clone()
-            bad[name][:, [b0, b1 - 1]] = float("nan")
-            o, ht = run(bad)
-            err = max(rel_err(o[:, others], o0[:, others]), rel_err(ht[keep], h1[keep]))
-            out.append(Result("chunk", f"NaN {name} in one of {len(lens)} seqs, {H}/{HV}: others unchanged", err,
-                              0.0))
+        for tune in tunings:
+            label = "".join(f", {f}={v}" for f, v in tune.items())
+            with override("chunk_fwd", **tune):
+                o0, h1 = run(clean)
+                for name in names:
+                    bad = dict(clean)
+                    bad[name] = clean[name].clone()
+                    bad[name][:, [b0, b1 - 1]] = float("nan")
+                    o, ht = run(bad)
+                    err = max(rel_err(o[:, others], o0[:, others]), rel_err(ht[keep], h1[keep]))
+                    out.append(Result("chunk", f"NaN {name} in one of {len(lens)} seqs, {H}/{HV}{label}: others "
+                                               "unchanged", err, 0.0))
     return out
 
 

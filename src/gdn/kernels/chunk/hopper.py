@@ -74,6 +74,25 @@ if G.AVAILABLE:
         return gl.convert_layout(gl.rsqrt(ss + 1e-6), out)
 
     @gluon.jit
+    def _zero_rows_past(buf, nv, RB: gl.constexpr, num_warps: gl.constexpr):
+        """Zeros rows nv.. of a [64, W] tile in shared memory (W a multiple of 64), in blocks of RB rows (a divisor of
+        64) x 64 columns, skipping blocks wholly before nv. A partial chunk's TMA copy brings the next sequence's
+        tokens into those rows; a product that sums over tokens (S += k^T d, Q K^T under Gamma's zeros) would turn a
+        non-finite neighbour into NaN through 0 * inf: one bad request would poison its neighbours (``gdn check``
+        chunk_nan_isolation). The caller runs it on a sequence's last chunk only (a uniform branch) and fences before
+        the tile's asynchronous readers; bench/NOTES.md prices where each kernel does it."""
+        C: gl.constexpr = 64
+        W: gl.constexpr = buf.type.shape[1]
+        lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        r = gl.arange(0, RB, layout=gl.SliceLayout(1, lay))
+        for i in gl.static_range(C // RB):
+            if i * RB + RB > nv:
+                for j in gl.static_range(W // C):
+                    blk = buf.slice(i * RB, RB, dim=0).slice(j * C, C, dim=1)
+                    x = blk.load(lay)
+                    blk.store(gl.where((i * RB + r < nv)[:, None], x, gl.zeros_like(x)))
+
+    @gluon.jit
     def _decay_tile(c_r, c_c, mask):
         """Gamma[i, j] = exp(c_i - c_j) where ``mask`` (the causal part), else 0, from a chunk's cumulative gates as
         a row vector ``c_r`` and a column vector ``c_c``: one exp2 per element."""
@@ -280,6 +299,10 @@ if G.AVAILABLE:
             if FUSED:
                 vn_s.index(slot).store(gl.where(m[:, None], vn, 0.0).to(dt))
             d = gl.where(m[:, None], vn * dec[:, None], 0.0)
+            if bos + c * C + C > eos:
+                # a sequence's partial last chunk: the next sequence's k rows out of step 4 (k @ h above read them
+                # under a where); uniform branch, fenced with d below
+                _zero_rows_past(k_s.index(s), eos - bos - c * C, C, 4)
             d_s.store(d.to(dt))
             fence_async_shared()
             cta_barrier()
@@ -401,6 +424,12 @@ if G.AVAILABLE:
                 if USE_L2:
                     rk_c = gl.load(rk_in + (tok0 + cols) * H + i_h, mask=mc, other=0.0)
                 mbarrier.wait(qbars.index(s), (it // NQ) & 1)
+                if bos + c * C + C > eos:
+                    # a sequence's partial last chunk: the next sequence's keys out of Q K^T, whose columns past the
+                    # end Gamma's zeros would turn into NaN (a where per element cost this partition 8% at 64/64)
+                    _zero_rows_past(p_s.index(s), eos - bos - c * C, C, 4)
+                    fence_async_shared()
+                    cta_barrier()
                 qk = warpgroup_mma(q_s.index(s), p_s.index(s).permute((1, 0)), zero_p, use_acc=False, is_async=True)
                 if USE_L2:
                     qq = warpgroup_mma(q_s.index(s), q_s.index(s).permute((1, 0)), zero_p, use_acc=False,
@@ -626,7 +655,7 @@ if G.AVAILABLE:
 
     @gluon.jit
     def _t_steps(
-        k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+        k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, kz, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
         n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, half,
         s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
         HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HB: gl.constexpr,
@@ -672,6 +701,16 @@ if G.AVAILABLE:
             partial = bos + c * C + C > eos
             sa = gl.convert_layout(st.to(dt), opK)
             mbarrier.wait(bars.index(s), (it // NS) & 1)
+            if not PA:
+                if partial:
+                    # the next sequence's k rows out of S^T += d^T k (with PA the P partition zeros them before P
+                    # is ready): each chain partition zeros its half of the columns, then waits for the other's
+                    # (``kz``, once per program: only its last chunk can be partial)
+                    _zero_rows_past(k_s.index(s).slice(half * (K // 2), K // 2, dim=1), eos - bos - c * C, C, 4)
+                    fence_async_shared()
+                    cta_barrier()
+                    mbarrier.arrive(kz, count=1)
+                    mbarrier.wait(kz, 0)
             gts = s * 8                     # this stage's gate rows
             qst = warpgroup_mma(sa, q_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
             kst = warpgroup_mma(sa, k_s.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
@@ -714,7 +753,7 @@ if G.AVAILABLE:
             gl.store(p1, st.to(ht.dtype.element_ty), mask=m_vk & ok1)
 
     @gluon.jit
-    def _t_p_steps(k_s, q_s, p_s, bars, emp, prdy, gt_s, c_beg, c_end, NS: gl.constexpr):
+    def _t_p_steps(k_s, q_s, p_s, bars, emp, prdy, gt_s, bos, eos, c_beg, c_end, NS: gl.constexpr):
         """The register-state kernel's P partition (4 warps, PA): per chunk c, once stage c % NS has landed, P =
         causal(Q K^T (x) 2^(w_i + u_j)) into the stage's P tile, w and u being the stage's gate rows 5 and 6 (the load
         warp's: w = c log2 e + log2(scale r_q), -inf past the sequence; u = log2 r_k - c log2 e), so that
@@ -722,7 +761,8 @@ if G.AVAILABLE:
         partitions and ``emp`` for the load warp. Its instructions share the SM's issue slots with the chains'
         (measured: each one per chunk cost the kernel ~0.1 us, bench/NOTES.md, though the chains' own are cheaper:
         the kernel is bound by its bytes), hence the scalings folded into one exponent per element and the row
-        vectors formed by the load warp."""
+        vectors formed by the load warp. On a sequence's partial last chunk it first zeros the k tile's rows past the
+        end (the next sequence's keys), for P and for the chains' S^T += d^T k, which waits for ``prdy``."""
         C: gl.constexpr = 64
         dt: gl.constexpr = k_s.dtype
         mma_p: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
@@ -734,6 +774,10 @@ if G.AVAILABLE:
             s = it % NS
             gts = s * 8
             mbarrier.wait(bars.index(s), (it // NS) & 1)
+            if bos + c * C + C > eos:
+                _zero_rows_past(k_s.index(s), eos - bos - c * C, C, 4)
+                fence_async_shared()
+                cta_barrier()
             qk = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zero_p, use_acc=False, is_async=True)
             w = gt_s.index(gts + 5).load(gl.SliceLayout(1, mma_p))
             u = gt_s.index(gts + 6).load(gl.SliceLayout(0, mma_p))
@@ -794,6 +838,8 @@ if G.AVAILABLE:
         emp = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         prdy = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         gt_s = gl.allocate_shared_memory(gl.float32, [NS * 8, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        kz = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(kz, count=2)      # without PA: both chains have zeroed their half of a partial chunk's k tile
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=2)      # the TMA's expect-arrive and the gate rows' arrive
             mbarrier.init(emp.index(j), count=3 if PA else 2)   # the two chain partitions (and the P partition)
@@ -801,29 +847,29 @@ if G.AVAILABLE:
         # (two calls: Gluon 3.6 builds no partition tuple outside the call)
         if PA:
             gl.warp_specialize([
-                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, kz, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
                             n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 0,
                             s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                             HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
                             O_INDEXED, NS, True)),
-                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, kz, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
                             n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 1,
                             s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                             HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
                             O_INDEXED, NS, True)),
-                (_t_p_steps, (k_s, q_s, p_s, bars, emp, prdy, gt_s, c_beg, c_end, NS)),
+                (_t_p_steps, (k_s, q_s, p_s, bars, emp, prdy, gt_s, bos, eos, c_beg, c_end, NS)),
                 (_t_loader, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
                              beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
                              H, HV, K, V, BV, USE_L2, NS, AP, True, scale)),
             ], [4, 4, 1], [WREGS, AREGS, LREGS])
         else:
             gl.warp_specialize([
-                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, kz, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
                             n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 0,
                             s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                             HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
                             O_INDEXED, NS)),
-                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
+                (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, kz, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
                             n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 1,
                             s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                             HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,

@@ -42,8 +42,8 @@ from ..tuning import capability
 from .hopper import CHUNK, _GL_DT, _desc, _pitched_rows2d, _rows2d, _rows2d_ok, pitched_rows_ok
 
 if G.AVAILABLE:
-    from .hopper import _decay_tile, _gram_rnorm, _seq_span, _tile_rnorm, cta_barrier, fence_async_shared, gl, gluon, \
-        mbarrier, tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait
+    from .hopper import _decay_tile, _gram_rnorm, _seq_span, _tile_rnorm, _zero_rows_past, cta_barrier, \
+        fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait
 
     _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(G.PUBLIC_REINTERPRET)
 
@@ -351,17 +351,19 @@ if G.AVAILABLE:
         if STORE_W:
             # W's column factors beta e^c r_k (0 past the sequence) through shared memory: not live in the solve
             fw_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-            fw_s.store(b_r * gl.exp(c_r) * rk_r)
+            fw_s.store(gl.where(m_r, b_r * gl.exp(c_r) * rk_r, 0.0))
         if STORE_P:
             qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_s, k_s])
-            att = (qk * gam) * rq[:, None]
+            # (a where, not Gamma's zeros: a partial chunk's columns past the end are the next sequence's keys)
+            att = gl.where(causal, qk * gam, 0.0) * rq[:, None]
             p_st = gl.allocate_shared_memory(dt, [C, C], p_desc.layout)
             _store_chunk_tile(p_desc, p_st, p_out, att.to(dt), tok0 + t0, i_hv * AP, row_off, nv, C, num_warps)
             gl.store(qf_out + tok_r * HV + i_hv, rq * gl.exp(c_r), mask=m_r)
         # A after P: Q K^T's accumulator is dead before A takes registers
-        # (A's own mask keeps a non-finite key of a later token, a neighbour sequence's in a partial chunk included,
-        # out of the rows before it: Gamma's zeros above the diagonal would give NaN there)
-        a = gl.where(tc[None, :] < tr[:, None], (kk * gam) * (b_r * rk_r)[:, None], 0.0)
+        # (A's own mask keeps a non-finite key of a later token out of the rows before it: Gamma's zeros above the
+        # diagonal would give NaN there; and rows past the sequence's end, where a partial chunk holds the next
+        # sequence's tokens, are empty: the solve's products would carry their NaN into every row)
+        a = gl.where(tc[None, :] < gl.where(m_r, tr, 0)[:, None], (kk * gam) * (b_r * rk_r)[:, None], 0.0)
         mbarrier.invalidate(bar)
         # ---- Ainv = (I + A)^-1 (module docstring)
         if SOLVE_F16:
@@ -411,6 +413,10 @@ if G.AVAILABLE:
             # TMA store first: the compiler counts it dead once the store is issued and may give its bytes to the
             # layout conversions below
             tma.store_wait(0)
+            if nv < C:  # a partial chunk: the next sequence's k rows out of the product (uniform branch)
+                _zero_rows_past(k_s, nv, C, num_warps)
+                fence_async_shared()
+                cta_barrier()
             mw: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                          instr_shape=[16, K, 16])
             opw: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mw, k_width=2)
