@@ -881,9 +881,10 @@ if G.AVAILABLE:
 
 
 _GL_DT = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# register budgets (``gl.warp_specialize``'s worker_num_regs; no spills in the Triton 3.6 sm_90 builds, 8 B at 216 on
-# 3.9): the fused kernel's output partition; the register-state kernel's second chain partition; the load warp of both
-# (the fused kernel's at V tile 32). Nine warps launch as three warpgroups (the load warp's padded to four) at
+# register budgets (``gl.warp_specialize``'s worker_num_regs; no spills in the Triton 3.6 sm_90 builds; on 3.9 the
+# register-state kernel spills 16 B, 72 B with the P partition, mostly outside its loops): the fused kernel's output
+# partition; the register-state kernel's second chain partition; the load warp of both (the fused kernel's at V tile
+# 32). Nine warps launch as three warpgroups (the load warp's padded to four) at
 # 65536 / 384 -> 168 registers each (504 per thread slot); the workers claim theirs inside the region and the default
 # partition gets the rest, at most 256 (Triton's AllocateWarpGroups pass; gdn.aot.default_partition_regs checks the
 # PTX): 504 - 216 - 32 = 256 for the register-state kernel's first chain partition
