@@ -269,6 +269,15 @@ if G.AVAILABLE:
             if STORE_H:
                 tma_store(h_desc, [((choff + c) * HV + i_hv) * K, i_v * BV], hs)
             mbarrier.wait(bars.index(s), phase)
+            if FUSED:
+                if bos + c * C + C > eos:
+                    # a sequence's partial last chunk: the next sequence's k rows out of step 4 (S += k^T d; k @ h
+                    # reads them under a where). The fused kernels zero them here with a fence of their own, the
+                    # state pass before d's store below under d's fence: each the cheaper placement for its kernel
+                    # (bench/NOTES.md). A uniform branch
+                    _zero_rows_past(k_s.index(s), eos - bos - c * C, C, 4)
+                    fence_async_shared()
+                    cta_barrier()
             dec = gl.where(m, gl.exp(g_last - b_g) * rk, 0.0)
             if FROM_AINV:
                 # ---- 2. r = beta * (v - diag(exp(g) r_k) (k @ h))
@@ -299,10 +308,9 @@ if G.AVAILABLE:
             if FUSED:
                 vn_s.index(slot).store(gl.where(m[:, None], vn, 0.0).to(dt))
             d = gl.where(m[:, None], vn * dec[:, None], 0.0)
-            if bos + c * C + C > eos:
-                # a sequence's partial last chunk: the next sequence's k rows out of step 4 (k @ h above read them
-                # under a where); uniform branch, fenced with d below
-                _zero_rows_past(k_s.index(s), eos - bos - c * C, C, 4)
+            if not FUSED:
+                if bos + c * C + C > eos:   # the state pass's placement of the zeroing above, fenced with d
+                    _zero_rows_past(k_s.index(s), eos - bos - c * C, C, 4)
             d_s.store(d.to(dt))
             fence_async_shared()
             cta_barrier()

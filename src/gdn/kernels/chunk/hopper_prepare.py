@@ -144,16 +144,29 @@ if G.AVAILABLE:
                         [0, 0, 4, 0, 0, 0]],
             warp_bases=[[1, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0]], block_bases=[], shape=[4, 2, 8, 8, 4, 2])
         S6: gl.constexpr = [4, 2, 8, 8, 4, 2]
-        tr = gl.arange(0, C, layout=gl.SliceLayout(1, mma))
-        tc = gl.arange(0, C, layout=gl.SliceLayout(0, mma))
-        zi = gl.zeros([C, C], gl.int32, layout=mma)
-        row6 = gl.convert_layout(gl.reshape(tr[:, None] + zi, S6), L6)
-        col6 = gl.convert_layout(gl.reshape(tc[None, :] + zi, S6), L6)
+        # each axis' index from an arange in its own slice of L6 (per-register constants, lane and warp bits), so
+        # that the compiler folds the register-bit parts of the compares: the diagonal block's j = 2 w + h has its
+        # low bit in a register bit
+        L5: gl.constexpr = gl.SliceLayout(3, L6)
+        x5: gl.constexpr = gl.SliceLayout(5, L6)
+        w6 = gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, x5)))))
+        w6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(w6, 1), 2), 3), 4), 5)
+        h6 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, x5)))))
+        h6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(h6, 0), 2), 3), 4), 5)
+        j6 = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, x5)))))
+        j6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(j6, 0), 1), 2), 4), 5)
+        diag6 = j6 == 2 * w6 + h6
         a6 = gl.convert_layout(gl.reshape(A, S6), L6)
-        diag6 = (row6 // 8) == (col6 // 8)
         d = gl.sum(gl.where(diag6, a6, 0.0), axis=3)               # [w, h, r, c, e] = D_b[r, 2 c + e]
-        rr = gl.max(row6 % 8, axis=3)
-        cc = gl.max(col6 % 8, axis=3)
+        rr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(4, L5)))))
+        rr = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(rr, 0), 1), 3), 4)
+        c5 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(4, L5)))))
+        e5 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, L5)))))
+        cc = 2 * gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(c5, 0), 1), 2), 4) + \
+            gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(e5, 0), 1), 2), 3)
+        zi5 = gl.zeros([4, 2, 8, 4, 2], gl.int32, layout=L5)
+        rr = rr + zi5
+        cc = cc + zi5
         y = gl.where(rr == cc, 1.0, 0.0)
         for s in gl.static_range(7):
             dpair = _shfl(d, rr * 4 + s // 2)                         # D[r, 2 (s // 2) + e]
