@@ -758,3 +758,14 @@ def test_op_releases_forward_w_and_backward_twice(monkeypatch):
         grads.append(first)
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_backward_nan_isolation_check_passes():
+    """``gdn check``'s backward NaN isolation case at its interpreter size: NaN in one packed sequence's q, k, v, g or
+    beta leaves every gradient of the other sequences (their tokens' dq .. dbeta, their dh0) bitwise unchanged."""
+    from gdn.checks.chunk_backward import chunk_backward_nan_isolation
+
+    results = chunk_backward_nan_isolation(torch.device("cpu"))
+    assert len(results) == 5
+    bad = [(r.case, r.rel_err, r.tol) for r in results if not r.passed]
+    assert not bad, bad

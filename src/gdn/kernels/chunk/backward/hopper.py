@@ -7,7 +7,8 @@ through a TMA store. V tiles 32 / 64: one warpgroup; 128 (with LOCAL, K = 128: b
 wave of CTAs holds every (sequence, value head) only with the whole V per CTA): two warpgroups, G split by rows and
 the [64, *] products by columns, k / q / w read once per value head.
 
-Per chunk (notation of :mod:`gdn.kernels.chunk.backward`; rows past the sequence's end masked)::
+Per chunk (notation of :mod:`gdn.kernels.chunk.backward`; rows past the sequence's end masked, and on a partial last
+chunk zeroed in the q, w (W_AINV: Ainv, k) tiles, which hold the next sequence's tokens there)::
 
     gs[c] = bf16(G)                                                        (TMA store from shared memory)
     dVn   = dv_local + diag(e^(cL - c) r_k) (k @ G)         [64, BV]        k @ G: async wgmma, k and G in smem
@@ -36,8 +37,8 @@ from ...tuning import capability
 from ..hopper import CHUNK, _GL_DT, _desc, _rows2d, _rows2d_ok
 
 if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through the version layer _gluon_api)
-    from ..hopper import (_segment_span, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma, tma_load,
-                          tma_store, warpgroup_mma, warpgroup_mma_wait)
+    from ..hopper import (_segment_span, _zero_rows_past, cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma,
+                          tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait)
     from .hopper_parts import _vec
 
     @gluon.jit
@@ -240,6 +241,20 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
         if W_AINV:
             fw_n = _w_factors(gcum, beta, rk_in, bos + (c_end - 1) * C, tc_c, eos, tok0, i_h, i_hv, c_end > c_beg,
                               H, HV, USE_L2)
+        if c_end > c_beg:
+            if bos + c_end * C > eos:
+                # the segment's first step is its sequence's partial last chunk (chunks run last to first): its
+                # tiles' rows past the end hold the next sequence's tokens, and q^T (fq dO), w^T dVn (with W_AINV
+                # also W = Ainv' k) sum over rows whose other factor is 0 there, so a non-finite neighbour would
+                # give NaN (``gdn check`` chunk_backward_nan_isolation): zeroed here, before the loop (in the loop,
+                # a never-taken branch cost the pass 18-29%: bench/NOTES.md), fenced by the loop's first barrier
+                nv_e = eos - bos - (c_end - 1) * C
+                mbarrier.wait(bars.index(0), 0)
+                _zero_rows_past(w_s.index(0), nv_e, C, num_warps)
+                if HAS_R:
+                    _zero_rows_past(q_s.index(0), nv_e, C, num_warps)
+                if W_AINV:
+                    _zero_rows_past(k_s.index(0), nv_e, C, num_warps)
         zero = gl.zeros([C, BV], gl.float32, layout=mma_v)
         for it in range(0, c_end - c_beg):
             c = c_end - 1 - it
