@@ -530,3 +530,52 @@ def chunk_prepare_elementwise(device):
         compare("fp16 solve, overflowing chunks: Ainv vs the tf32 solve (sm_90)", res[2], res[1], 1e-2)
         compare("fp16 solve, overflowing chunks: Ainv vs portable", res[2], res[0], 1e-2)
     return out
+
+
+@register
+def chunk_sm90_fresh_thread(device):
+    """Hopper: an sm_90 kernel launched as the first CUDA work of a new host thread (autograd's device thread runs a
+    backward that way). Triton encodes a launch's TMA descriptors before its launcher makes a CUDA context current,
+    so that first launch failed with "invalid device context" until ``gdn.kernels.launch.ensure_context``. The sm_90
+    prepare on a varlen batch, once here (which also fills torch's allocation cache: the thread's allocations then
+    make no CUDA call) and once on a new thread: no error, outputs bitwise equal."""
+    import threading
+
+    from ..kernels.chunk import chunk_fwd_prepare
+    from ..kernels.chunk.plan import prepare_chunk_indices
+    from .chunk_backward import _sm90_gluon_available
+
+    if not _sm90_gluon_available(device):
+        return []
+    lens = [300, 64, 129]
+    cu = _cu(lens, device)
+    T = sum(lens)
+    x = make_inputs(1, T, 16, 32, 128, 128, dtype=torch.bfloat16, device=device)
+    ci = prepare_chunk_indices(cu, T, 64, 1, device=device)
+
+    def run():
+        return chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False, ainv_dtype=x.k.dtype,
+                                 chunk_index=ci)
+
+    first = run()
+    want = [None if t is None else t.clone() for t in first]
+    del first
+    torch.cuda.synchronize(device)
+    got, errors = [], []
+
+    def body():
+        try:
+            got.append(run())
+        except Exception as e:  # noqa: BLE001 - reported as the check's failure
+            errors.append(e)
+
+    th = threading.Thread(target=body)
+    th.start()
+    th.join()
+    torch.cuda.synchronize(device)
+    if errors:
+        return [Result("chunk", "sm_90 prepare as a new thread's first launch", float("inf"), 0.0,
+                       f"{type(errors[0]).__name__}: {errors[0]}")]
+    same = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got[0], want))
+    return [Result("chunk", "sm_90 prepare as a new thread's first launch: bitwise equal",
+                   0.0 if same else float("inf"), 0.0)]

@@ -157,12 +157,33 @@ def fast_ok(kernel) -> bool:
     return not (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook))
 
 
+_THREAD = threading.local()
+
+
+def ensure_context() -> None:
+    """Make the current device's primary CUDA context current on this thread, once per thread and device. Triton
+    encodes a launch's TMA descriptors (``cuTensorMapEncodeTiled``) before its C launcher makes a context current,
+    and that call fails with "invalid device context" on a thread where no CUDA runtime call ran yet: autograd's
+    device thread when the op's backward is the first work on it (its allocations served from torch's cache)."""
+    if not torch.cuda.is_initialized():
+        return
+    dev = torch.cuda.current_device()
+    done = getattr(_THREAD, "devices", None)
+    if done is None:
+        done = _THREAD.devices = set()
+    if dev not in done:
+        torch.cuda.current_stream(dev).query()      # a runtime call: binds the device's primary context here
+        done.add(dev)
+
+
 def _launch(kernel, grid, args, kwargs):
     if callable(grid) or not fast_ok(kernel):
+        ensure_context()
         return kernel[grid](*args, **kwargs)
     key, dynamic = _key(kernel, args, kwargs)
     entry = _CACHE.get(key)
     if entry is None:
+        ensure_context()
         compiled = kernel[grid](*args, **kwargs)
         if compiled is not None and hasattr(compiled, "packed_metadata"):
             _CACHE[key] = (compiled, None if dynamic else _tail(kernel, len(args), kwargs))
@@ -188,6 +209,7 @@ def bind(kernel, args, kwargs):
 def fire(bound, grid, args, kwargs) -> None:
     """Launch a bound kernel (:func:`bind`) on the current stream, as ``JITFunction.run`` does."""
     kernel, (compiled, tail) = bound
+    ensure_context()
     if tail is None:   # runtime arguments among the keywords: this call's values
         tail = _tail(kernel, len(args), kwargs)
     g = len(grid)
@@ -233,6 +255,7 @@ def encode(desc, metadata) -> list:
     """A TMA descriptor argument as Triton 3.6's launcher expands it: [encoded tensor map, *shape, *strides]."""
     from triton.backends.nvidia.driver import make_tensordesc_arg
 
+    ensure_context()
     return make_tensordesc_arg(desc, metadata)
 
 
