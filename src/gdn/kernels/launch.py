@@ -172,7 +172,10 @@ def ensure_context() -> None:
     if done is None:
         done = _THREAD.devices = set()
     if dev not in done:
-        torch.cuda.current_stream(dev).query()      # a runtime call: binds the device's primary context here
+        # runtime calls, which bind the device's primary context to this thread; the stream query (the one measured
+        # to fix it) is not made while the stream captures a CUDA graph, where it is not allowed
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(dev).query()
         done.add(dev)
 
 
