@@ -370,52 +370,74 @@ def chunk_pieces(device):
     return out
 
 
+NAN_INPUTS = ("q", "k", "v", "g", "beta")
+
+
+def nan_isolation_batches(device):
+    """The varlen batches of the NaN-isolation checks (forward: ``chunk_nan_isolation``; backward:
+    ``checks.chunk_backward.chunk_backward_nan_isolation``), as dicts: heads ``H`` / ``HV``, ``lens``, inputs ``x``,
+    ``cu``, the poisoned sequence 1's token span ``b0`` .. ``b1`` (sharing partial chunks with both neighbours: a
+    chunk's tile rows past a sequence's end hold the next sequence's tokens), ``others`` (a token mask of the other
+    sequences) and ``keep`` (their indices). On the GPU 16/32 heads over four sequences (past one wave) and 4/8 over
+    three (a few-head grid); elsewhere tiny shapes in fp32."""
+    cuda = device.type == "cuda"
+    configs = ([(16, 32, 128, 128, [4096 + 33, 70, 4095, 4000]), (4, 8, 128, 128, [1000, 70, 2000])] if cuda
+               else [(1, 2, 32, 16, [70, 60, 5])])
+    for H, HV, K, V, lens in configs:
+        T = sum(lens)
+        cu = _cu(lens, device)
+        b0, b1 = int(cu[1]), int(cu[2])
+        others = torch.ones(T, dtype=torch.bool, device=device)
+        others[b0:b1] = False
+        yield dict(H=H, HV=HV, lens=lens, cu=cu, b0=b0, b1=b1, others=others,
+                   keep=[n for n in range(len(lens)) if n != 1],
+                   x=make_inputs(1, T, H, HV, K, V, dtype=torch.bfloat16 if cuda else torch.float32, device=device))
+
+
+def nan_poisoned(batch):
+    """(input name, the batch's inputs as a dict with that one's first and last tokens of sequence 1 set to NaN), for
+    each of q, k, v, g, beta in turn."""
+    clean = {n: getattr(batch["x"], n) for n in NAN_INPUTS}
+    for name in NAN_INPUTS:
+        bad = dict(clean)
+        bad[name] = clean[name].clone()
+        bad[name][:, [batch["b0"], batch["b1"] - 1]] = float("nan")
+        yield name, bad
+
+
 @register
 def chunk_nan_isolation(device):
     """A non-finite input in one sequence of a varlen batch leaves the other sequences' outputs and final states
-    bitwise as they were (a serving batch: one bad request must not poison its neighbours). The poisoned sequence
-    shares partial chunks with both neighbours (a chunk's tile rows past a sequence's end hold the next sequence's
-    tokens), NaN on its first and last tokens, one input at a time. On the GPU two plans: 16/32 heads over four
-    sequences (past one wave: the register-state kernel, P formed in it; again with P from the prepare kernel, and
-    on the V tile 64 fused kernel, P formed by its output partition) and 4/8 over three (a few-head grid: the fused
-    V tile 16 / 32 kernel, segmented where the planner splits the longest sequence)."""
+    bitwise as they were (a serving batch: one bad request must not poison its neighbours), NaN on the poisoned
+    sequence's first and last tokens, one input at a time (:func:`nan_isolation_batches`). On the GPU the 16/32 batch
+    runs three plans: the register-state kernel with P formed in it, again with P from the prepare kernel, and the V
+    tile 64 fused kernel (P formed by its output partition); the 4/8 batch a few-head grid (the fused V tile 16 / 32
+    kernel, segmented where the planner splits the longest sequence)."""
     from ..kernels.tuning import override
 
-    cuda = device.type == "cuda"
-    configs = ([(16, 32, 128, 128, [4096 + 33, 70, 4095, 4000], ({}, {"state_sm90_t_p_in_kernel": False},
-                                                                  {"state_sm90_fused_t": False})),
-                (4, 8, 128, 128, [1000, 70, 2000], ({},))] if cuda
-               else [(1, 2, 32, 16, [70, 60, 5], ({},))])
     out = []
-    for H, HV, K, V, lens, tunings in configs:
-        T = sum(lens)
-        x = make_inputs(1, T, H, HV, K, V, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
-        h0 = torch.randn(len(lens), HV, K, V, device=device) * 0.5
-        cu = _cu(lens, device)
-        b0, b1 = int(cu[1]), int(cu[2])     # the poisoned sequence's tokens
-        others = torch.ones(T, dtype=torch.bool, device=device)
-        others[b0:b1] = False
-        keep = [n for n in range(len(lens)) if n != 1]
+    for b in nan_isolation_batches(device):
+        h0 = torch.randn(len(b["lens"]), b["HV"], b["x"].k.shape[3], b["x"].v.shape[3], device=device) * 0.5
+        others, keep = b["others"], b["keep"]
+        tunings = ({}, {"state_sm90_t_p_in_kernel": False}, {"state_sm90_fused_t": False}) \
+            if device.type == "cuda" and b["H"] == 16 else ({},)
 
         def run(inp):
             with torch.no_grad():
                 return chunk_gated_delta_rule(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], initial_state=h0,
-                                              output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True)
+                                              output_final_state=True, cu_seqlens=b["cu"],
+                                              use_qk_l2norm_in_kernel=True)
 
-        names = ("q", "k", "v", "g", "beta")
-        clean = {n: getattr(x, n) for n in names}
+        clean = {n: getattr(b["x"], n) for n in NAN_INPUTS}
         for tune in tunings:
             label = "".join(f", {f}={v}" for f, v in tune.items())
             with override("chunk_fwd", **tune):
                 o0, h1 = run(clean)
-                for name in names:
-                    bad = dict(clean)
-                    bad[name] = clean[name].clone()
-                    bad[name][:, [b0, b1 - 1]] = float("nan")
+                for name, bad in nan_poisoned(b):
                     o, ht = run(bad)
                     err = max(rel_err(o[:, others], o0[:, others]), rel_err(ht[keep], h1[keep]))
-                    out.append(Result("chunk", f"NaN {name} in one of {len(lens)} seqs, {H}/{HV}{label}: others "
-                                               "unchanged", err, 0.0))
+                    out.append(Result("chunk", f"NaN {name} in one of {len(b['lens'])} seqs, {b['H']}/{b['HV']}"
+                                               f"{label}: others unchanged", err, 0.0))
     return out
 
 

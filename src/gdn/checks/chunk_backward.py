@@ -467,46 +467,32 @@ def chunk_backward_nan_isolation(device):
     """Training on packed sequences: a non-finite input in one sequence of a varlen batch leaves every gradient of the
     other sequences (q, k, v, g, beta on their tokens, their initial states) bitwise as it was (one bad sample must not
     poison the batch's other samples). Autograd through the public op with an initial state and a final-state
-    gradient; the poisoned sequence shares partial chunks with both neighbours (a chunk's tile rows past a
-    sequence's end hold the next sequence's tokens), NaN on its first and last tokens, one input at a time. On the GPU
-    16/32 heads over four sequences (the sm_90 reverse pass and parts kernel where available) and 4/8 over three;
-    on the CPU tiny shapes. Forward counterpart: ``chunk_nan_isolation``."""
+    gradient, on the batches of the forward's check (``checks.chunk.nan_isolation_batches``: the poisoned sequence
+    shares partial chunks with both neighbours, NaN on its first and last tokens, one input at a time; on the GPU
+    16/32 heads over four sequences, the sm_90 reverse pass and parts kernel where available, and 4/8 over three)."""
     from ..ops import chunk_gated_delta_rule
+    from .chunk import NAN_INPUTS, nan_isolation_batches, nan_poisoned
 
-    cuda = device.type == "cuda"
-    configs = ([(16, 32, 128, 128, [4096 + 33, 70, 4095, 4000]), (4, 8, 128, 128, [1000, 70, 2000])] if cuda
-               else [(1, 2, 32, 16, [70, 60, 5])])
     out = []
-    for H, HV, K, V, lens in configs:
-        T, N = sum(lens), len(lens)
-        dtype = torch.bfloat16 if cuda else torch.float32
-        x = make_inputs(1, T, H, HV, K, V, dtype=dtype, device=device)
+    for b in nan_isolation_batches(device):
+        x, cu, others, keep = b["x"], b["cu"], b["others"], b["keep"]
+        N, HV, K, V = len(b["lens"]), b["HV"], x.k.shape[3], x.v.shape[3]
         h0 = torch.randn(N, HV, K, V, device=device) * 0.5
         dht = torch.randn(N, HV, K, V, device=device)
-        do = torch.randn(1, T, HV, V, device=device).to(dtype)
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
-        b0, b1 = int(cu[1]), int(cu[2])     # the poisoned sequence's tokens
-        others = torch.ones(T, dtype=torch.bool, device=device)
-        others[b0:b1] = False
-        keep = [n for n in range(N) if n != 1]
-        names = ("q", "k", "v", "g", "beta")
+        do = torch.randn(x.v.shape, device=device).to(x.v.dtype)
 
         def grads(inp):
-            leaves = [inp[n].detach().clone().requires_grad_() for n in names] + [h0.clone().requires_grad_()]
+            leaves = [inp[n].detach().clone().requires_grad_() for n in NAN_INPUTS] + [h0.clone().requires_grad_()]
             o, ht = chunk_gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True,
                                            cu_seqlens=cu, use_qk_l2norm_in_kernel=True, cu_seqlens_cpu=cu.cpu())
             torch.autograd.backward([o, ht], [do, dht])
             return [t.grad for t in leaves]
 
-        clean = {n: getattr(x, n) for n in names}
-        g0 = grads(clean)
-        for name in names:
-            bad = dict(clean)
-            bad[name] = clean[name].clone()
-            bad[name][:, [b0, b1 - 1]] = float("nan")
+        g0 = grads({n: getattr(x, n) for n in NAN_INPUTS})
+        for name, bad in nan_poisoned(b):
             g1 = grads(bad)
-            err = max([rel_err(a[:, others], b[:, others]) for a, b in zip(g1[:5], g0[:5])]
+            err = max([rel_err(a[:, others], r[:, others]) for a, r in zip(g1[:5], g0[:5])]
                       + [rel_err(g1[5][keep], g0[5][keep])])
-            out.append(Result("chunk_backward", f"NaN {name} in one of {N} seqs, {H}/{HV}: others' gradients "
+            out.append(Result("chunk_backward", f"NaN {name} in one of {N} seqs, {b['H']}/{HV}: others' gradients "
                                                 "unchanged", err, 0.0))
     return out
