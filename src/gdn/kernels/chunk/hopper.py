@@ -74,23 +74,22 @@ if G.AVAILABLE:
         return gl.convert_layout(gl.rsqrt(ss + 1e-6), out)
 
     @gluon.jit
-    def _zero_rows_past(buf, nv, RB: gl.constexpr, num_warps: gl.constexpr):
-        """Zeros rows nv.. of a [64, W] tile in shared memory (W a multiple of 64), in blocks of RB rows (a divisor of
-        64) x 64 columns, skipping blocks wholly before nv. A partial chunk's TMA copy brings the next sequence's
-        tokens into those rows; a product that sums over tokens (S += k^T d, Q K^T under Gamma's zeros) would turn a
-        non-finite neighbour into NaN through 0 * inf: one bad request would poison its neighbours (``gdn check``
-        chunk_nan_isolation). The caller runs it on a sequence's last chunk only (a uniform branch) and fences before
-        the tile's asynchronous readers; bench/NOTES.md prices where each kernel does it."""
+    def _zero_rows_past(buf, nv, num_warps: gl.constexpr):
+        """Zeros rows nv.. of a [64, W] tile in shared memory (W a multiple of 64), 64 columns at a time. A partial
+        chunk's TMA copy brings the next sequence's tokens into those rows; a product that sums over tokens (S +=
+        k^T d, Q K^T under Gamma's zeros) would turn a non-finite neighbour into NaN through 0 * inf: one bad request
+        would poison its neighbours (``gdn check`` chunk_nan_isolation). The caller runs it on a sequence's partial
+        last chunk only (a uniform branch) and fences before the tile's asynchronous readers; bench/NOTES.md prices
+        where each kernel does it."""
         C: gl.constexpr = 64
         W: gl.constexpr = buf.type.shape[1]
+        gl.static_assert(W % C == 0, "_zero_rows_past: a tile of 64-column blocks")
         lay: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        r = gl.arange(0, RB, layout=gl.SliceLayout(1, lay))
-        for i in gl.static_range(C // RB):
-            if i * RB + RB > nv:
-                for j in gl.static_range(W // C):
-                    blk = buf.slice(i * RB, RB, dim=0).slice(j * C, C, dim=1)
-                    x = blk.load(lay)
-                    blk.store(gl.where((i * RB + r < nv)[:, None], x, gl.zeros_like(x)))
+        keep = (gl.arange(0, C, layout=gl.SliceLayout(1, lay)) < nv)[:, None]
+        for j in gl.static_range(W // C):
+            blk = buf.slice(j * C, C, dim=1)
+            x = blk.load(lay)
+            blk.store(gl.where(keep, x, gl.zeros_like(x)))
 
     @gluon.jit
     def _decay_tile(c_r, c_c, mask):
@@ -275,7 +274,7 @@ if G.AVAILABLE:
                     # reads them under a where). The fused kernels zero them here with a fence of their own, the
                     # state pass before d's store below under d's fence: each the cheaper placement for its kernel
                     # (bench/NOTES.md). A uniform branch
-                    _zero_rows_past(k_s.index(s), eos - bos - c * C, C, 4)
+                    _zero_rows_past(k_s.index(s), eos - bos - c * C, 4)
                     fence_async_shared()
                     cta_barrier()
             dec = gl.where(m, gl.exp(g_last - b_g) * rk, 0.0)
@@ -310,7 +309,7 @@ if G.AVAILABLE:
             d = gl.where(m[:, None], vn * dec[:, None], 0.0)
             if not FUSED:
                 if bos + c * C + C > eos:   # the state pass's placement of the zeroing above, fenced with d
-                    _zero_rows_past(k_s.index(s), eos - bos - c * C, C, 4)
+                    _zero_rows_past(k_s.index(s), eos - bos - c * C, 4)
             d_s.store(d.to(dt))
             fence_async_shared()
             cta_barrier()
@@ -435,7 +434,7 @@ if G.AVAILABLE:
                 if bos + c * C + C > eos:
                     # a sequence's partial last chunk: the next sequence's keys out of Q K^T, whose columns past the
                     # end Gamma's zeros would turn into NaN (a where per element cost this partition 8% at 64/64)
-                    _zero_rows_past(p_s.index(s), eos - bos - c * C, C, 4)
+                    _zero_rows_past(p_s.index(s), eos - bos - c * C, 4)
                     fence_async_shared()
                     cta_barrier()
                 qk = warpgroup_mma(q_s.index(s), p_s.index(s).permute((1, 0)), zero_p, use_acc=False, is_async=True)
@@ -714,7 +713,7 @@ if G.AVAILABLE:
                     # the next sequence's k rows out of S^T += d^T k (with PA the P partition zeros them before P
                     # is ready): each chain partition zeros its half of the columns, then waits for the other's
                     # (``kz``, once per program: only its last chunk can be partial)
-                    _zero_rows_past(k_s.index(s).slice(half * (K // 2), K // 2, dim=1), eos - bos - c * C, C, 4)
+                    _zero_rows_past(k_s.index(s).slice(half * (K // 2), K // 2, dim=1), eos - bos - c * C, 4)
                     fence_async_shared()
                     cta_barrier()
                     mbarrier.arrive(kz, count=1)
@@ -783,7 +782,7 @@ if G.AVAILABLE:
             gts = s * 8
             mbarrier.wait(bars.index(s), (it // NS) & 1)
             if bos + c * C + C > eos:
-                _zero_rows_past(k_s.index(s), eos - bos - c * C, C, 4)
+                _zero_rows_past(k_s.index(s), eos - bos - c * C, 4)
                 fence_async_shared()
                 cta_barrier()
             qk = warpgroup_mma(q_s.index(s), k_s.index(s).permute((1, 0)), zero_p, use_acc=False, is_async=True)

@@ -427,7 +427,7 @@ if G.AVAILABLE:
             # layout conversions below
             tma.store_wait(0)
             if nv < C:  # a partial chunk: the next sequence's k rows out of the product (uniform branch)
-                _zero_rows_past(k_s, nv, C, num_warps)
+                _zero_rows_past(k_s, nv, num_warps)
                 fence_async_shared()
                 cta_barrier()
             mw: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],

@@ -250,11 +250,11 @@ if G.AVAILABLE:   # the Gluon names as the forward's module binds them (through 
                 # a never-taken branch cost the pass 18-29%: bench/NOTES.md), fenced by the loop's first barrier
                 nv_e = eos - bos - (c_end - 1) * C
                 mbarrier.wait(bars.index(0), 0)
-                _zero_rows_past(w_s.index(0), nv_e, C, num_warps)
+                _zero_rows_past(w_s.index(0), nv_e, num_warps)
                 if HAS_R:
-                    _zero_rows_past(q_s.index(0), nv_e, C, num_warps)
+                    _zero_rows_past(q_s.index(0), nv_e, num_warps)
                 if W_AINV:
-                    _zero_rows_past(k_s.index(0), nv_e, C, num_warps)
+                    _zero_rows_past(k_s.index(0), nv_e, num_warps)
         zero = gl.zeros([C, BV], gl.float32, layout=mma_v)
         for it in range(0, c_end - c_beg):
             c = c_end - 1 - it
