@@ -210,14 +210,54 @@ def test_replay_of_clones_conversions_and_copies(plans, device):
     assert plans.stats()["plans"] == 2 and not plans.stats()["why"]
 
 
+def _launched(plan) -> list:
+    """The tensor templates of each launch step's positional arguments."""
+    return [[a[1] for a in s[3] if a[0] == "t"] for s in plan.steps if s[0] == "launch"]
+
+
 def test_replay_frees_intermediates_after_their_last_use(plans, device):
-    """The intermediate tmp of _two_steps is dropped after its last launch, the returned out is kept."""
+    """The intermediates tmp and shifted of _two_steps live in one workspace allocation (both alive at the last
+    launch: distinct 512-byte aligned extents), dropped after that launch; the returned out is its own allocation,
+    kept."""
     for _ in range(3):
         _two_steps(torch.randn(10, device=device), torch.randn(10, device=device), 1.0)
     (entry,) = [e for e in host_plan._PLANS.values() if e.plan is not None]
-    frees = [s[1] for s in entry.plan.steps if s[0] == "free"]
+    plan = entry.plan
+    allocs = [s[1] for s in plan.steps if s[0] == "alloc"]
+    assert allocs == [3, 2] and plan.allocs[3][:3] == ((1024,), (1,), torch.uint8), plan.steps
+    last = _launched(plan)[-1]
+    assert last[0][:3] == ("wv", 3, 0) and last[1][:3] == ("wv", 3, 512) and last[2] == ("al", 2), last
+    frees = [s[1] for s in plan.steps if s[0] == "free"]
     dropped = {r for f in frees for r in f}
-    assert ("al", 0) in dropped and ("al", 2) not in dropped and ("in", 0) in dropped, entry.plan.steps
+    assert ("al", 3) in dropped and ("al", 2) not in dropped and ("in", 0) in dropped, plan.steps
+
+
+@host_plan.planned
+def _chain(x):
+    """Three intermediates in sequence: t1 is dead before t3 (float32, the others x's float64) is made, t2 lives
+    across both."""
+    t1 = torch.empty_like(x)
+    _axpy(x, x, 1.0, t1)                      # t1 = 2x
+    t2 = torch.empty_like(x)
+    _axpy(t1, x, 1.0, t2)                     # t2 = 3x (t1's last use)
+    t3 = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    _axpy(t2, x, 2.0, t3)                     # t3 = 7x
+    out = torch.empty_like(x)
+    _axpy(t3, t2, 1.0, out)                   # out = 10x
+    return out
+
+
+def test_workspace_reuses_the_bytes_of_dead_intermediates(plans, device):
+    """An intermediate made after another one's last use takes its bytes (the caching allocator's reuse in the
+    recorded call), one alive at the same time does not; the replay's output stays right."""
+    for _ in range(CALLS):
+        x = torch.randn(300, device=device, dtype=torch.float64)
+        torch.testing.assert_close(_chain(x), 10 * x, rtol=1e-6, atol=1e-6)
+    (entry,) = [e for e in host_plan._PLANS.values() if e.plan is not None]
+    t1, t2, t3 = (_launched(entry.plan)[i][-1] for i in range(3))
+    # 2400 bytes each for t1 and t2 (2560 with the rounding), 1200 for t3: in t1's place
+    assert t1[:3] == ("wv", 4, 0) and t2[:3] == ("wv", 4, 2560) and t3[:3] == ("wv", 4, 0), (t1, t2, t3)
+    assert t3[5] == torch.float32 and entry.plan.allocs[4][0] == (5120,)
 
 
 @host_plan.planned
@@ -326,8 +366,9 @@ class _Desc:
 def test_fast_launch_fills_only_the_calls_tensors_and_descriptors(monkeypatch):
     """A bound launch step (host_plan._FastLaunch) passes the launcher what launch.fire would get from the
     Python path: on the generic form the argument list with this call's tensors and descriptors (and keyword
-    templates) filled in; on the direct form (Triton 3.6's C launcher, stood in for here) every descriptor expanded
-    as Triton expands it, encoded once per base address, the tail of constexprs after the arguments."""
+    templates) filled in; on the direct form (Triton 3.6's C launcher, stood in for here) each tensor as its device
+    address (an int: a view's base address plus its offset), every descriptor expanded as Triton expands it, encoded
+    once per base address, the tail of constexprs after the arguments, on the stream the replay passes."""
     from gdn.kernels import launch as L
 
     inputs = [torch.randn(8, 4), torch.randn(16, 4)]
@@ -339,7 +380,7 @@ def test_fast_launch_fills_only_the_calls_tensors_and_descriptors(monkeypatch):
     monkeypatch.setattr(L, "fire", lambda bound, grid, args, kwargs: fired.append((bound, grid, args, kwargs)))
     monkeypatch.setattr(L, "direct", lambda bound, n: None)
     step = host_plan._FastLaunch("bound", (3, 2), targs, {"n": ("t", ("in", 0))})
-    step(inputs, allocs)
+    step(inputs, allocs, None)
     (bound, grid, args, kwargs), = fired
     assert bound == "bound" and grid == (3, 2) and kwargs["n"] is inputs[0]
     assert args[0] is inputs[0] and args[1] == 7 and args[4] == 0.5
@@ -356,15 +397,18 @@ def test_fast_launch_fills_only_the_calls_tensors_and_descriptors(monkeypatch):
     monkeypatch.setattr(L, "direct", lambda bound, n: (lambda *a: calls.append(a), "fn", ("head",), (16, True),
                                                        [(2, "meta2")]))
     monkeypatch.setattr(L, "encode", encode)
-    monkeypatch.setattr(L, "current_stream", lambda: 99)
     step = host_plan._FastLaunch("bound", (3,), targs, {})
     for x in (inputs[1], inputs[1], torch.randn(16, 4)):
-        step([inputs[0], x], allocs)
+        step([inputs[0], x], allocs, 99)
     assert len(calls) == 3 and len(encoded) == 2       # the repeated base address: encoded once
     for c, x in zip(calls, (inputs[1], inputs[1])):
         assert c[:6] == (3, 1, 1, 99, "fn", "head")
-        assert c[6] is inputs[0] and c[7] == 7 and c[8:13] == ("map", 16, 4, 4, 1) and c[14] == 0.5
-        assert c[13].data_ptr() == allocs[0].data_ptr() + 64 and c[15:] == (16, True)
+        assert c[6] == inputs[0].data_ptr() and type(c[6]) is int
+        assert c[7] == 7 and c[8:13] == ("map", 16, 4, 4, 1) and c[14] == 0.5
+        assert c[13] == allocs[0].data_ptr() + 64 and c[15:] == (16, True)
+    # an input view's address: the input's own plus the view's element offset (in the input's dtype)
+    iv = host_plan._pointer(("iv", 1, (2, 4), (4, 1), 5), [inputs[0], inputs[1][2:]], allocs)
+    assert iv == inputs[1][2:].data_ptr() + 5 * 4 == inputs[1].view(-1)[13:].data_ptr()
     assert encoded[0] == (inputs[1].data_ptr(), "meta2")
     # a template the direct form cannot take (a descriptor where a plain value stands) falls back to fire
     monkeypatch.setattr(L, "direct", lambda bound, n: (None, "fn", (), (), [(1, "meta")]))

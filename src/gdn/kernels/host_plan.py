@@ -24,8 +24,11 @@ anything else (a computation, a read of device values like ``.item()`` or ``.cpu
 every launch must go through :func:`gdn.kernels.launch.launch` with a tuple grid on the stream the call began on; a
 launch argument's tensor must be a view inside one input's extent, a view of an allocation, or a tensor that existed
 before the call (a cached table: kept by reference). Operators run inside a launch (the interpreter's copies) are
-the launcher's own. Replays hold each allocation and input only until its last use (kernels are stream-ordered), so
-a replay's peak memory is at most the recorded call's. ``launch.VERIFY`` (``gdn check``) and launch hooks
+the launcher's own. Replays hold each allocation and input only until its last use (kernels are stream-ordered); the
+intermediates (allocations the output does not hold) are laid out once in one workspace, each at an offset no other
+intermediate uses while both live (what the caching allocator did for the recorded call: a replay's peak memory is
+the recorded call's up to the 512-byte rounding of each), so a replay makes one allocation for all of them and
+passes the launcher their addresses. ``launch.VERIFY`` (``gdn check``) and launch hooks
 (profilers) bypass replays.
 """
 from __future__ import annotations
@@ -145,7 +148,8 @@ def _call_key(fn, args, kwargs):
 # ----------------------------------------------------------------------------------------------------------------------
 # tensor templates: ("in", i) input i itself; ("iv", i, size, stride, offset) a view of input i (offset relative to
 # the input's own); ("al", j) allocation j itself; ("av", j, size, stride, offset); ("c", t) a tensor from before the
-# call; ("e", size, stride, dtype, device) an empty tensor. Values: ("t", template), ("d", type, fields, template) a
+# call; ("e", size, stride, dtype, device) an empty tensor; in plans only, ("wv", w, byte offset, size, stride, dtype)
+# an intermediate in the workspace allocation w (_Plan). Values: ("t", template), ("d", type, fields, template) a
 # TMA descriptor, ("v", value).
 def _extent(t: torch.Tensor):
     lo = t.storage_offset()
@@ -300,7 +304,7 @@ def _uses(tmpl, out: set) -> None:
 
 
 def _uses_tensor(t, out: set) -> None:
-    if t[0] in ("al", "av"):
+    if t[0] in ("al", "av", "wv"):
         out.add(("al", t[1]))
     elif t[0] in ("in", "iv"):
         out.add(("in", t[1]))
@@ -317,27 +321,12 @@ class _Plan:
     __slots__ = ("allocs", "steps", "out")
 
     def __init__(self, rec: _Recorder, out_tmpl):
-        self.allocs = rec.allocs
+        self.allocs = list(rec.allocs)
         self.out = out_tmpl
         kept = set()
         _uses(out_tmpl, kept)
-        used = []
-        for s in rec.steps:
-            refs = set()
-            if s[0] == "fill":
-                _uses_tensor(s[1], refs)
-            elif s[0] == "copy":
-                _uses_tensor(s[1], refs)
-                _uses_tensor(s[2], refs)
-            elif s[0] == "new":
-                refs.add(("al", s[1]))
-                _uses_tensor(s[3], refs)
-            elif s[0] == "launch":
-                for a in s[3]:
-                    _uses(a, refs)
-                for a in s[4].values():
-                    _uses(a, refs)
-            used.append(refs)
+        rec_steps = self._workspace(rec.steps, kept)
+        used = [_step_uses(s) for s in rec_steps]
         # allocations nothing reads or returns are not made; everything else is dropped after its last use
         needed = set().union(*used, kept) if used else set(kept)
         last = {}
@@ -345,7 +334,7 @@ class _Plan:
             for r in refs:
                 last[r] = n
         steps = []
-        for n, s in enumerate(rec.steps):
+        for n, s in enumerate(rec_steps):
             if s[0] == "alloc":
                 if ("al", s[1]) in needed:
                     size, stride, dtype, device = self.allocs[s[1]]
@@ -357,12 +346,80 @@ class _Plan:
                 steps.append(("free", dead))
         self.steps = steps
 
+    def _workspace(self, steps: list, kept: set) -> list:
+        """The recorded steps with the intermediates moved into one workspace allocation (appended to
+        ``self.allocs``): each intermediate made by an allocation step, used by a later step and not held by the
+        output gets the lowest 512-byte aligned offset that no intermediate alive at the same time covers (first fit
+        in allocation order; alive from its allocation step to its last use); its templates become "wv" templates of
+        the workspace and its allocation step goes (the workspace's is at the first one's place)."""
+        first, last = {}, {}
+        for n, st in enumerate(steps):
+            if st[0] == "alloc":
+                first[st[1]] = n
+            for r in _step_uses(st):
+                if r[0] == "al":
+                    last[r[1]] = n
+        cands = [j for j in sorted(first, key=first.get)
+                 if ("al", j) not in kept and j in last and _nbytes(*self.allocs[j][:3])]
+        devices = {self.allocs[j][3] for j in cands}
+        if not cands or len(devices) != 1:
+            return steps
+        placed, where = [], {}     # (first step, last step, offset, bytes); j -> byte offset
+        for j in cands:
+            nb = -(-_nbytes(*self.allocs[j][:3]) // _WS_ALIGN) * _WS_ALIGN
+            a, b = first[j], last[j]
+            off = 0
+            for lo, hi in sorted((o, o + m) for (s0, s1, o, m) in placed if s0 <= b and a <= s1):
+                if off + nb <= lo:
+                    break
+                off = max(off, hi)
+            placed.append((a, b, off, nb))
+            where[j] = off
+        w = len(self.allocs)
+        self.allocs.append(((max(o + m for (_, _, o, m) in placed),), (1,), torch.uint8, devices.pop()))
+
+        def tensor(t):
+            if t[0] == "al" and t[1] in where:
+                size, stride, dtype, _ = self.allocs[t[1]]
+                return ("wv", w, where[t[1]], size, stride, dtype)
+            if t[0] == "av" and t[1] in where:
+                dtype = self.allocs[t[1]][2]
+                return ("wv", w, where[t[1]] + t[4] * dtype.itemsize, t[2], t[3], dtype)
+            return t
+
+        def value(v):
+            if v[0] == "t":
+                return ("t", tensor(v[1]))
+            if v[0] == "d":
+                return ("d", v[1], v[2], tensor(v[3]))
+            return v
+
+        out, made = [], False
+        for st in steps:
+            kind = st[0]
+            if kind == "alloc":
+                if st[1] not in where:
+                    out.append(st)
+                elif not made:
+                    out.append(("alloc", w))
+                    made = True
+            elif kind == "fill":
+                out.append(("fill", tensor(st[1]), st[2]))
+            elif kind == "copy":
+                out.append(("copy", tensor(st[1]), tensor(st[2])))
+            elif kind == "new":
+                out.append(st[:3] + (tensor(st[3]),) + st[4:])
+            else:   # launch
+                out.append(st[:3] + ([value(a) for a in st[3]], {k: value(v) for k, v in st[4].items()}))
+        return out
+
     def replay(self, inputs: list):
         allocs = [None] * len(self.allocs)
+        stream = _launch_mod.current_stream()     # every launch of the call is on the stream it began on
         for n, s in enumerate(self.steps):
             kind = s[0]
             if kind == "launch":
-                self._launch(n, s, inputs, allocs)
+                self._launch(n, s, inputs, allocs, stream)
             elif kind == "alloc":
                 _, j, size, stride, dtype, device, contiguous = s
                 allocs[j] = torch.empty(size, dtype=dtype, device=device) if contiguous else \
@@ -381,10 +438,10 @@ class _Plan:
                         inputs[i] = None
         return _build(self.out, inputs, allocs)
 
-    def _launch(self, n, s, inputs, allocs):
+    def _launch(self, n, s, inputs, allocs, stream):
         _, kernel, grid, targs, tkwargs, fast = s
         if fast is not None and _launch_mod.fast_ok(kernel):
-            fast(inputs, allocs)
+            fast(inputs, allocs, stream)
             return
         args = [_value(a, inputs, allocs) for a in targs]
         kwargs = {k: _value(v, inputs, allocs) for k, v in tkwargs.items()} if tkwargs else {}
@@ -440,22 +497,23 @@ class _FastLaunch:
         self.args, self.tensors, self.descs = args, tuple(tensors), tuple(descs)
         return True
 
-    def __call__(self, inputs, allocs):
+    def __call__(self, inputs, allocs, stream):
         args = self.args.copy()
-        for i, t in self.tensors:
-            args[i] = _tensor(t, inputs, allocs)
         if self.raw is None:
+            for i, t in self.tensors:
+                args[i] = _tensor(t, inputs, allocs)
             for i, typ, fields, t in self.descs:
                 args[i] = _descriptor(typ, fields, _tensor(t, inputs, allocs))
             kwargs = {k: _value(v, inputs, allocs) for k, v in self.kwargs.items()} if self.kwargs else {}
             _launch_mod.fire(self.bound, self.grid, args, kwargs)
             return
+        for i, t in self.tensors:     # the C launcher takes a device pointer as an int as it is (no view to build,
+            args[i] = _pointer(t, inputs, allocs)     # no data_ptr() call and pointer-attribute query of its own)
         for i, width, typ, fields, t, meta, encoded in self.descs:
-            base = _tensor(t, inputs, allocs)
-            ptr = base.data_ptr()
+            ptr = _pointer(t, inputs, allocs)
             e = encoded.get(ptr)
             if e is None:
-                e = _launch_mod.encode(_descriptor(typ, fields, base), meta)
+                e = _launch_mod.encode(_descriptor(typ, fields, _tensor(t, inputs, allocs)), meta)
                 if len(e) != width:
                     raise RuntimeError(f"gdn host plan: a TMA descriptor expanded to {len(e)} launcher arguments, "
                                        f"not {width}")
@@ -464,7 +522,36 @@ class _FastLaunch:
                 encoded[ptr] = e
             args[i:i + width] = e
         raw, gx, gy, gz, function, head = self.raw
-        raw(gx, gy, gz, _launch_mod.current_stream(), function, *head, *args)
+        raw(gx, gy, gz, stream, function, *head, *args)
+
+
+_WS_ALIGN = 512    # bytes: the caching allocator's block rounding (kernels are specialised on 16-byte alignment)
+
+
+def _step_uses(s) -> set:
+    """The ("al", j) / ("in", i) references of a recorded step (its allocation aside)."""
+    refs = set()
+    if s[0] == "fill":
+        _uses_tensor(s[1], refs)
+    elif s[0] == "copy":
+        _uses_tensor(s[1], refs)
+        _uses_tensor(s[2], refs)
+    elif s[0] == "new":
+        refs.add(("al", s[1]))
+        _uses_tensor(s[3], refs)
+    elif s[0] == "launch":
+        for a in s[3]:
+            _uses(a, refs)
+        for a in s[4].values():
+            _uses(a, refs)
+    return refs
+
+
+def _nbytes(size, stride, dtype) -> int:
+    """Bytes a tensor of this size / stride / dtype spans from its first element (0 when empty)."""
+    if any(n == 0 for n in size):
+        return 0
+    return (1 + sum((n - 1) * st for n, st in zip(size, stride))) * dtype.itemsize
 
 
 def _contiguous(size, stride) -> bool:
@@ -487,9 +574,31 @@ def _tensor(t, inputs, allocs):
     if kind == "iv":
         x = inputs[t[1]]
         return x.as_strided(t[2], t[3], x.storage_offset() + t[4])
+    if kind == "wv":
+        x = allocs[t[1]].view(t[5])
+        return x.as_strided(t[3], t[4], t[2] // x.element_size())
     if kind == "c":
         return t[1]
     return torch.empty_strided(t[1], t[2], dtype=t[3], device=t[4])
+
+
+def _pointer(t, inputs, allocs):
+    """The device address of the tensor template ``t`` in this call, as an int (where the template is a view: its
+    base's address plus its element offset; a view keeps its base's dtype, ``_Recorder.template``); an empty
+    tensor's template gives the tensor itself."""
+    kind = t[0]
+    if kind == "al":
+        return allocs[t[1]].data_ptr()
+    if kind == "wv":     # an intermediate: the workspace's address plus its byte offset
+        return allocs[t[1]].data_ptr() + t[2]
+    if kind == "in":
+        return inputs[t[1]].data_ptr()
+    if kind == "av" or kind == "iv":     # an allocation's offset is from its start, an input view's from the input's
+        x = allocs[t[1]] if kind == "av" else inputs[t[1]]
+        return x.data_ptr() + t[4] * x.element_size()
+    if kind == "c":
+        return t[1].data_ptr()
+    return _tensor(t, inputs, allocs)
 
 
 def _value(a, inputs, allocs):
