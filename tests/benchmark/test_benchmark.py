@@ -718,3 +718,28 @@ def test_profile_idle_gaps_between_kernels():
                                                  ev(100, 200, "host", torch.autograd.DeviceType.CPU)])
     idle, gaps = _idle_gaps(prof)
     assert idle == 11 and [(g, a, b) for g, a, b in gaps] == [(10, "b", "c"), (1, "c", "d")]
+
+
+def test_device_time_reports_the_hosts_enqueue_time(monkeypatch):
+    """``CudaTimer.device_time`` also gives the host's time to enqueue one call with the GPU idle (``host_ms``, per
+    call: a pass over the buffer sets divided by their number), which the bench rows carry as ``<impl>_host_ms``.
+    The CUDA parts are stood in for here; a call that takes 3 ms of host time must read as at least that."""
+    import time
+
+    from gdn.benchmark.timing import CudaTimer
+
+    t = CudaTimer.__new__(CudaTimer)
+    t.target_ms, t.min_samples, t.max_samples, t._sleep_cycles_per_ms = 10.0, 5, 5, None
+    monkeypatch.setattr(t, "_sync", lambda: None)
+    monkeypatch.setattr(t, "_event_ms", lambda launch: 1.0)
+    monkeypatch.setattr(t, "_cycles_per_ms", lambda: 1.0)
+    monkeypatch.setattr(t, "_samples", lambda launch, n, before=None: [2.0] * n)
+    calls = []
+
+    def fn(i):
+        calls.append(i)
+        time.sleep(0.003)
+
+    d = t._device_once(fn, 2)
+    assert d.mode == "device" and d.median_ms == pytest.approx(1.0)     # 2 ms per sample over 2 calls
+    assert 3.0 <= d.host_ms < 30.0 and set(calls) == {0, 1}

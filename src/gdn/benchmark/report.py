@@ -13,7 +13,8 @@ One row per measurement; the fields every row has are ``ROW_FIELDS`` (null where
   ``speedup_vs_flashinfer`` (peer time / gdn time: above 1, gdn is faster), ``timing`` (per implementation: graph or
   eager, spread, samples), ``n_sets`` (buffer sets rotated); for the eager-timed chunk_fwd, chunk_fwd_bwd and layer
   rows also ``<impl>_device_ms`` (device time per call with the host kept ahead: what the call costs the GPU,
-  whatever the host's speed) and ``speedup_vs_<peer>_device``;
+  whatever the host's speed), ``speedup_vs_<peer>_device`` and ``<impl>_host_ms`` (the host's time to enqueue one
+  call, the GPU idle: near ``<impl>_ms``, the row is bound by that machine's host);
 - the floors: ``bytes``, ``flops``, ``mem_floor_ms`` (bytes / copy bandwidth), ``compute_floor_ms`` (FLOPs / bf16
   matrix rate), ``bound`` (the larger), ``frac_of_copy_bw`` and ``frac_of_matmul`` (floor / gdn time: the fraction of
   each limit gdn reaches), ``frac_of_limit`` (the larger floor over gdn time), and per peer ``<peer>_frac_of_limit``;
@@ -39,6 +40,7 @@ ROW_FIELDS = (
     "op", "model", "batch", "seqlen", "H", "HV", "K", "V", "state_dtype", "dtype", "hidden", "key",
     "gdn_ms", "fla_ms", "flashinfer_ms", "speedup_vs_fla", "speedup_vs_flashinfer",
     "gdn_device_ms", "fla_device_ms", "flashinfer_device_ms", "speedup_vs_fla_device", "speedup_vs_flashinfer_device",
+    "gdn_host_ms", "fla_host_ms", "flashinfer_host_ms",
     "bytes", "flops", "mem_floor_ms", "compute_floor_ms", "bound", "frac_of_copy_bw", "frac_of_matmul",
     "frac_of_limit", "fla_frac_of_limit", "flashinfer_frac_of_limit",
     "gdn_err", "fla_err", "flashinfer_err", "err_what", "err_detail", "gdn_vs_fla", "gdn_vs_flashinfer",

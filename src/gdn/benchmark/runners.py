@@ -204,6 +204,7 @@ def measure(row: dict, impls: List[Impl], n_sets: int, ctx: Ctx) -> dict:
                 if row.get("op") in DEVICE_TIME_OPS and not t.mode.startswith("graph"):
                     d = ctx.timer.device_time(impl.run, n_sets)
                     row[f"{name}_device_ms"] = d.median_ms
+                    row[f"{name}_host_ms"] = d.host_ms
                     row["timing"][name]["device_spread"] = d.spread
                 if impl.output is not None:
                     outputs[name] = impl.output()

@@ -10,7 +10,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
@@ -28,6 +28,7 @@ class Timing:
     samples: int
     calls_per_sample: int
     mode: str                 # "graph", "eager", "host" (+ a reason where a graph fell back to eager)
+    host_ms: Optional[float] = None   # device_time only: the host's time to enqueue one call, the GPU idle
 
     @property
     def spread(self) -> float:
@@ -179,7 +180,7 @@ class CudaTimer:
                             before=lambda: torch.cuda._sleep(sleep))
         calls = passes * n_sets
         med, p20, p80 = _quantiles([r / calls for r in raw])
-        return Timing(med, p20, p80, len(raw), calls, "device")
+        return Timing(med, p20, p80, len(raw), calls, "device", host_ms=min(host) / n_sets)
 
     def _graph(self, fn, n_sets) -> Timing:
         side = torch.cuda.Stream(self.device)
