@@ -414,8 +414,8 @@ def chunk_backward_host_plans(device):
     fresh inputs of one shape (the first runs the Python path, the second is recorded, the last two replay), each
     call against the same call with plans off: outputs and every gradient bitwise equal, and the replays happened
     (a plan for the forward and one for the backward). With ``launch.VERIFY`` off for the check (it bypasses plans).
-    Small varlen batch with an initial state, both layouts; on sm_90 also 1x8192 16/32 bf16 with ``cu_seqlens_cpu``
-    (the Gluon kernels' descriptors rebuilt by the replay)."""
+    Small varlen batch with an initial state, both layouts; on sm_90 also 1x8192 16/32 and 4/8 (segmented) bf16 with
+    ``cu_seqlens_cpu`` (the Gluon kernels' descriptors rebuilt by the replay, the intermediates in the workspace)."""
     from ..kernels import host_plan, launch
     from ..ops import chunk_gated_delta_rule
 
@@ -423,6 +423,8 @@ def chunk_backward_host_plans(device):
     cases = [("varlen v_last", s, True, "v_last", torch.float32), ("batch k_last", s, False, "k_last", torch.bfloat16)]
     if _sm90_gluon_available(device):
         cases.append(("1x8192 16/32", dict(H=16, HV=32, K=128, V=128, lens=[8192]), True, "v_last", torch.bfloat16))
+        # TP4's segmented forward (segment pass, merge, fused pass): more intermediates sharing the workspace
+        cases.append(("1x8192 4/8", dict(H=4, HV=8, K=128, V=128, lens=[8192]), True, "v_last", torch.bfloat16))
     saved = launch.VERIFY, host_plan.ENABLED, host_plan.PLAN_CPU
     launch.VERIFY, host_plan.PLAN_CPU = False, device.type == "cpu"
     out = []
