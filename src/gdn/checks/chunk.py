@@ -376,9 +376,9 @@ NAN_INPUTS = ("q", "k", "v", "g", "beta")
 def nan_isolation_batches(device):
     """The varlen batches of the NaN-isolation checks (forward: ``chunk_nan_isolation``; backward:
     ``checks.chunk_backward.chunk_backward_nan_isolation``), as dicts: heads ``H`` / ``HV``, ``lens``, inputs ``x``,
-    ``cu``, the poisoned sequence 1's token span ``b0`` .. ``b1`` (sharing partial chunks with both neighbours: a
-    chunk's tile rows past a sequence's end hold the next sequence's tokens), ``others`` (a token mask of the other
-    sequences) and ``keep`` (their indices). On the GPU 16/32 heads over four sequences (past one wave) and 4/8 over
+    ``cu``, ``clean`` (the inputs by name, :data:`NAN_INPUTS`), the poisoned sequence 1's token span ``b0`` .. ``b1``
+    (sharing partial chunks with both neighbours: a chunk's tile rows past a sequence's end hold the next sequence's
+    tokens), ``others`` (a token mask of the other sequences) and ``keep`` (their indices). On the GPU 16/32 heads over four sequences (past one wave) and 4/8 over
     three (a few-head grid); elsewhere tiny shapes in fp32."""
     cuda = device.type == "cuda"
     configs = ([(16, 32, 128, 128, [4096 + 33, 70, 4095, 4000]), (4, 8, 128, 128, [1000, 70, 2000])] if cuda
@@ -389,15 +389,15 @@ def nan_isolation_batches(device):
         b0, b1 = int(cu[1]), int(cu[2])
         others = torch.ones(T, dtype=torch.bool, device=device)
         others[b0:b1] = False
+        x = make_inputs(1, T, H, HV, K, V, dtype=torch.bfloat16 if cuda else torch.float32, device=device)
         yield dict(H=H, HV=HV, lens=lens, cu=cu, b0=b0, b1=b1, others=others,
-                   keep=[n for n in range(len(lens)) if n != 1],
-                   x=make_inputs(1, T, H, HV, K, V, dtype=torch.bfloat16 if cuda else torch.float32, device=device))
+                   keep=[n for n in range(len(lens)) if n != 1], x=x, clean={n: getattr(x, n) for n in NAN_INPUTS})
 
 
 def nan_poisoned(batch):
     """(input name, the batch's inputs as a dict with that one's first and last tokens of sequence 1 set to NaN), for
     each of q, k, v, g, beta in turn."""
-    clean = {n: getattr(batch["x"], n) for n in NAN_INPUTS}
+    clean = batch["clean"]
     for name in NAN_INPUTS:
         bad = dict(clean)
         bad[name] = clean[name].clone()
@@ -428,7 +428,7 @@ def chunk_nan_isolation(device):
                                               output_final_state=True, cu_seqlens=b["cu"],
                                               use_qk_l2norm_in_kernel=True)
 
-        clean = {n: getattr(b["x"], n) for n in NAN_INPUTS}
+        clean = b["clean"]
         for tune in tunings:
             label = "".join(f", {f}={v}" for f, v in tune.items())
             with override("chunk_fwd", **tune):

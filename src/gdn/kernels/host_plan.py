@@ -151,9 +151,14 @@ def _call_key(fn, args, kwargs):
 # call; ("e", size, stride, dtype, device) an empty tensor; in plans only, ("wv", w, byte offset, size, stride, dtype)
 # an intermediate in the workspace allocation w (_Plan). Values: ("t", template), ("d", type, fields, template) a
 # TMA descriptor, ("v", value).
+def _last(size, stride) -> int:
+    """The offset of a non-empty tensor's last element from its first, in elements."""
+    return sum((s - 1) * st for s, st in zip(size, stride))
+
+
 def _extent(t: torch.Tensor):
     lo = t.storage_offset()
-    return lo, lo + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+    return lo, lo + _last(t.shape, t.stride())
 
 
 class _Recorder(TorchDispatchMode):
@@ -551,7 +556,7 @@ def _nbytes(size, stride, dtype) -> int:
     """Bytes a tensor of this size / stride / dtype spans from its first element (0 when empty)."""
     if any(n == 0 for n in size):
         return 0
-    return (1 + sum((n - 1) * st for n, st in zip(size, stride))) * dtype.itemsize
+    return (1 + _last(size, stride)) * dtype.itemsize
 
 
 def _contiguous(size, stride) -> bool:
