@@ -183,6 +183,38 @@ def test_key_separates_aliasing(plans, device):
     assert plans.stats()["plans"] == 2
 
 
+_TABLE = {}
+
+
+@host_plan.planned
+def _with_constants(x):
+    """out = 2 x + 1, returned beside parts that hold no tensor of the call: a tuple with a list and a tensor made
+    before the call (a cached table), a dict, a list."""
+    if x.device not in _TABLE:
+        _TABLE[x.device] = torch.arange(3, device=x.device)
+    table = _TABLE[x.device]
+    out = torch.empty_like(x)
+    _axpy(x, torch.ones_like(x), 2.0, out)
+    return out, (x.numel(), [1, 2], table), {"n": x.numel(), "out": out}, [x.numel()]
+
+
+def test_replay_builds_constant_tuples_once(plans, device):
+    """A replay returns this call's tensors and lists / dicts made anew, and the tuples that hold no tensor of the
+    call built once (the same object every replay, equal to the Python path's)."""
+    seen = []
+    for _ in range(CALLS):
+        x = torch.randn(10, device=device)
+        out, const, meta, lst = _with_constants(x)
+        torch.testing.assert_close(out, 2 * x + 1, rtol=1e-6, atol=1e-6)
+        assert const[:2] == (10, [1, 2]) and const[2] is _TABLE[x.device]
+        assert meta["n"] == 10 and meta["out"] is out and lst == [10]
+        seen.append((const, meta, lst))
+    assert plans.stats()["plans"] == 1
+    (c2, m2, l2), (c3, m3, l3) = seen[2], seen[3]      # the two replays
+    assert c2 is c3, "a constant tuple is built once per plan"
+    assert m2 is not m3 and l2 is not l3, "dicts and lists outside such a tuple are new per call"
+
+
 @host_plan.planned
 def _filled(x):
     """Allocations with fill values (full, new_full, ones_like), combined by a launch."""

@@ -28,7 +28,8 @@ the launcher's own. Replays hold each allocation and input only until its last u
 intermediates (allocations the output does not hold) are laid out once in one workspace, each at an offset no other
 intermediate uses while both live (what the caching allocator did for the recorded call: a replay's peak memory is
 the recorded call's up to the 512-byte rounding of each), so a replay makes one allocation for all of them and
-passes the launcher their addresses. ``launch.VERIFY`` (``gdn check``) and launch hooks
+passes the launcher their addresses; the output's tuples that hold no tensor of the call (a cached chunk table)
+are built once per plan. ``launch.VERIFY`` (``gdn check``) and launch hooks
 (profilers) bypass replays.
 """
 from __future__ import annotations
@@ -293,6 +294,33 @@ class _Recorder(TorchDispatchMode):
         return ("v", x)
 
 
+def _constant(tmpl):
+    """The output template with each tuple or named tuple that holds no tensor of this call (only values and tensors
+    from before the call, e.g. a cached chunk table) built once, as a ("v", value) template shared by every replay
+    (lists and dicts inside it too: ``planned`` functions return values that do not change between calls of a key,
+    and a cached object is shared by the calls it stands for anyway); lists and dicts outside such a tuple stay
+    templates, built anew per call."""
+    return _fold(tmpl)[0]
+
+
+def _fold(tmpl):
+    """(the folded template, whether it holds no tensor of this call)."""
+    kind = tmpl[0]
+    if kind == "v":
+        return tmpl, True
+    if kind == "t":
+        return (("v", tmpl[1][1]), True) if tmpl[1][0] == "c" else (tmpl, False)
+    if kind == "dict":
+        parts = [(k, _fold(y)) for k, y in tmpl[1]]
+        return ("dict", [(k, y) for k, (y, _) in parts]), all(c for _, (_, c) in parts)
+    parts = [_fold(y) for y in tmpl[2]]
+    folded = (kind, tmpl[1], [y for y, _ in parts])
+    const = all(c for _, c in parts)
+    if const and (kind == "named" or tmpl[1] is tuple):
+        return ("v", _build(folded, (), ())), True
+    return folded, const
+
+
 def _uses(tmpl, out: set) -> None:
     """Collect ("al", j) / ("in", i) references of a value / output template."""
     kind = tmpl[0]
@@ -327,7 +355,7 @@ class _Plan:
 
     def __init__(self, rec: _Recorder, out_tmpl):
         self.allocs = list(rec.allocs)
-        self.out = out_tmpl
+        self.out = _constant(out_tmpl)
         kept = set()
         _uses(out_tmpl, kept)
         rec_steps = self._workspace(rec.steps, kept)

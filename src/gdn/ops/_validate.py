@@ -38,10 +38,15 @@ def tensor(name: str, x, *, ndim: Optional[int] = None, dtypes: Optional[Iterabl
 
 def shape(name: str, x: torch.Tensor, expected: Sequence[Optional[int]], doc: str) -> None:
     """``expected`` holds ints or None (any size)."""
-    ok = x.dim() == len(expected) and all(e is None or e == s for e, s in zip(expected, x.shape))
-    if not ok:
-        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
-        raise ValueError(f"{name}: expected shape {doc} = {want}, got {tuple(x.shape)}")
+    got = x.shape
+    if len(got) == len(expected):
+        for e, n in zip(expected, got):
+            if e is not None and e != n:
+                break
+        else:
+            return
+    want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+    raise ValueError(f"{name}: expected shape {doc} = {want}, got {tuple(got)}")
 
 
 def last_dim_contiguous(name: str, x: torch.Tensor) -> None:
