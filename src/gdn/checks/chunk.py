@@ -378,8 +378,8 @@ def nan_isolation_batches(device):
     ``checks.chunk_backward.chunk_backward_nan_isolation``), as dicts: heads ``H`` / ``HV``, ``lens``, inputs ``x``,
     ``cu``, ``clean`` (the inputs by name, :data:`NAN_INPUTS`), the poisoned sequence 1's token span ``b0`` .. ``b1``
     (sharing partial chunks with both neighbours: a chunk's tile rows past a sequence's end hold the next sequence's
-    tokens), ``others`` (a token mask of the other sequences) and ``keep`` (their indices). On the GPU 16/32 heads over four sequences (past one wave) and 4/8 over
-    three (a few-head grid); elsewhere tiny shapes in fp32."""
+    tokens), ``others`` (a token mask of the other sequences) and ``keep`` (their indices). On the GPU 16/32 heads
+    over four sequences (past one wave) and 4/8 over three (a few-head grid); elsewhere tiny shapes in fp32."""
     cuda = device.type == "cuda"
     configs = ([(16, 32, 128, 128, [4096 + 33, 70, 4095, 4000]), (4, 8, 128, 128, [1000, 70, 2000])] if cuda
                else [(1, 2, 32, 16, [70, 60, 5])])

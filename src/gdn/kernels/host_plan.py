@@ -294,17 +294,13 @@ class _Recorder(TorchDispatchMode):
         return ("v", x)
 
 
-def _constant(tmpl):
-    """The output template with each tuple or named tuple that holds no tensor of this call (only values and tensors
-    from before the call, e.g. a cached chunk table) built once, as a ("v", value) template shared by every replay
-    (lists and dicts inside it too: ``planned`` functions return values that do not change between calls of a key,
-    and a cached object is shared by the calls it stands for anyway); lists and dicts outside such a tuple stay
-    templates, built anew per call."""
-    return _fold(tmpl)[0]
-
-
 def _fold(tmpl):
-    """(the folded template, whether it holds no tensor of this call)."""
+    """``(folded, constant)``: the output template ``tmpl`` with each tuple or named tuple that holds no tensor of
+    this call (only values and tensors from before the call, e.g. a cached chunk table) built once, as a ("v", value)
+    template shared by every replay; ``constant``: whether ``tmpl`` holds no tensor of this call. Lists and dicts
+    inside such a tuple are shared too (``planned`` functions return values that do not change between calls of a
+    key, and a cached object is shared by the calls it stands for anyway); lists and dicts outside one stay
+    templates, built anew per call."""
     kind = tmpl[0]
     if kind == "v":
         return tmpl, True
@@ -355,7 +351,7 @@ class _Plan:
 
     def __init__(self, rec: _Recorder, out_tmpl):
         self.allocs = list(rec.allocs)
-        self.out = _constant(out_tmpl)
+        self.out = _fold(out_tmpl)[0]
         kept = set()
         _uses(out_tmpl, kept)
         rec_steps = self._workspace(rec.steps, kept)
