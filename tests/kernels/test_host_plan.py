@@ -445,3 +445,117 @@ def test_fast_launch_fills_only_the_calls_tensors_and_descriptors(monkeypatch):
     # a template the direct form cannot take (a descriptor where a plain value stands) falls back to fire
     monkeypatch.setattr(L, "direct", lambda bound, n: (None, "fn", (), (), [(1, "meta")]))
     assert host_plan._FastLaunch("bound", (1,), targs, {}).raw is None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the public op planned whole (gdn.ops.chunk._planned_call)
+# ----------------------------------------------------------------------------------------------------------------------
+def _public_plans():
+    from gdn.ops import chunk as chunk_mod
+
+    fn = chunk_mod._planned_call()
+    return sum(k[0] is fn and e.plan is not None for k, e in host_plan._PLANS.items())
+
+
+def _count_validations(monkeypatch):
+    from gdn.ops import chunk as chunk_mod
+
+    seen = []
+    real = chunk_mod._validate
+
+    def counted(*a, **kw):
+        seen.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(chunk_mod, "_validate", counted)
+    return seen
+
+
+@pytest.mark.parametrize("case", ["batched_k_last", "varlen_host_copy", "pool_unchecked"])
+def test_public_op_replays_skip_validation(plans, device, nan_empty, monkeypatch, case):
+    """Inference calls of the public op are planned whole: one key per call, the validation run only by the plain
+    and the recorded call, replays bitwise equal to the Python path (outputs poisoned: nothing left unwritten), a
+    pool's rows updated in place as by the Python path."""
+    from gdn.ops import chunk_gated_delta_rule
+
+    if case == "pool_unchecked":   # pool index checks read device values: planned only where they are skipped
+        monkeypatch.setenv("GDN_SKIP_VALUE_CHECKS", "1")
+    seen = _count_validations(monkeypatch)
+    H, HV, K, V = 1, 2, 32, 16
+    lens = None if case == "batched_k_last" else [1, 63, 0, 65]
+    B = 2 if lens is None else 1
+    T = 66 if lens is None else sum(lens)
+    cu_host = None if lens is None else [0] + torch.tensor(lens).cumsum(0).tolist()
+    cu = None if lens is None else torch.tensor(cu_host, dtype=torch.int32, device=device)
+    N = B if lens is None else len(lens)
+    layout = "k_last" if lens is None else "v_last"
+    sshape = (HV, K, V) if layout == "v_last" else (HV, V, K)
+    on = 0
+    for call in range(CALLS):
+        x = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, device=device)
+        state = torch.randn((N + 3 if case == "pool_unchecked" else N), *sshape, device=device)
+        idx = torch.tensor([4, -1, 0, 2], dtype=torch.int32, device=device) if case == "pool_unchecked" else None
+        outs = []
+        for enabled in (True, False):
+            host_plan.ENABLED = enabled
+            n0 = len(seen)
+            s = state.clone()
+            with torch.no_grad():
+                o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=s, output_final_state=True,
+                                               cu_seqlens=cu, cu_seqlens_cpu=cu_host, use_qk_l2norm_in_kernel=True,
+                                               state_layout=layout, ssm_state_indices=idx)
+            on += (len(seen) - n0) if enabled else 0
+            outs.append((o, ht, s))
+        host_plan.ENABLED = True
+        for n, (a, b) in enumerate(zip(*outs)):
+            _same(a, b, f"call {call}, output {n}")
+        if idx is not None:
+            assert outs[0][1] is outs[0][2], "a pool is returned as the final state"
+    assert on == 2, f"validation ran on {on} of {CALLS} planned calls (plain and recorded only)"
+    assert _public_plans() == 1, plans.stats()
+
+
+def test_public_op_plans_only_calls_validated_by_their_key(plans, device, monkeypatch):
+    """What a replay could not check is decided per call: pool indices checked on the host (an out-of-range index
+    after three good calls of the same key still raises), a call that needs a gradient (not planned: its gradients
+    flow), the backend (GDN_BACKEND=torch runs the reference), and a changed shape (a new key: validated)."""
+    from gdn.ops import chunk as chunk_mod
+    from gdn.ops import chunk_gated_delta_rule
+
+    H, HV, K, V, T = 1, 2, 32, 16, 70
+    x = make_inputs(1, T, H, HV, K, V, dtype=torch.float32, device=device)
+    pool = torch.randn(4, HV, K, V, device=device)
+    for _ in range(3):
+        with torch.no_grad():
+            chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
+                                   ssm_state_indices=torch.tensor([2], dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match="ssm_state_indices"):
+        with torch.no_grad():
+            chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=pool, output_final_state=True,
+                                   ssm_state_indices=torch.tensor([4], dtype=torch.int32, device=device))
+    assert _public_plans() == 0
+
+    h0 = torch.randn(1, HV, K, V, device=device)
+    for _ in range(CALLS):
+        with torch.no_grad():
+            o_plan, _ = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0)
+    assert _public_plans() == 1
+    q = x.q.detach().clone().requires_grad_()
+    o, _ = chunk_gated_delta_rule(q, x.k, x.v, x.g, x.beta, initial_state=h0)
+    o.sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all() and q.grad.abs().sum() > 0
+    torch.testing.assert_close(o.detach(), o_plan)
+
+    ref = []
+    real = chunk_mod._torch_path
+    monkeypatch.setattr(chunk_mod, "_torch_path", lambda *a, **kw: ref.append(1) or real(*a, **kw))
+    monkeypatch.setenv("GDN_BACKEND", "torch")
+    with torch.no_grad():
+        o_ref, _ = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0)
+    assert ref == [1], "GDN_BACKEND=torch after replays runs the reference"
+    torch.testing.assert_close(o_ref, o_plan, rtol=2e-3, atol=2e-3)
+    monkeypatch.delenv("GDN_BACKEND")
+
+    with pytest.raises(ValueError, match="initial_state"):
+        with torch.no_grad():
+            chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=h0[:, :, :8])

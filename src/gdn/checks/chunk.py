@@ -601,3 +601,75 @@ def chunk_sm90_fresh_thread(device):
     same = all((a is None and b is None) or torch.equal(a, b) for a, b in zip(got[0], want))
     return [Result("chunk", "sm_90 prepare as a new thread's first launch: bitwise equal",
                    0.0 if same else float("inf"), 0.0)]
+
+
+@register
+def chunk_host_plans(device):
+    """Host plans of the public op planned whole (``gdn.ops.chunk._planned_call``: inference calls whose validation
+    reads no device values): four calls with fresh inputs of one key (plain, recorded, two replays), each against
+    the same call with plans off: o and the final state (or the pool, updated in place) bitwise equal, and the
+    public plan replayed. A small varlen batch with ``cu_seqlens_cpu`` and a bf16 pool with padding rows and index
+    checks skipped (``GDN_SKIP_VALUE_CHECKS``); on sm_90 also 1x8192 16/32, 1x8192 4/8 (segmented) and 4x1024 16/32
+    (the register-state path, Ainv / P packed into o) in bf16."""
+    import os
+
+    from ..kernels import host_plan, launch
+    from ..ops import chunk as chunk_mod
+    from .chunk_backward import _sm90_gluon_available
+
+    s = _shapes(device)
+    small = dict(H=s["H"], HV=s["HV"], K=s["K"], V=s["V"])
+    cases = [("varlen", small, s["lens"], torch.float32, False), ("pool k_last", small, s["lens"], torch.bfloat16, True)]
+    if _sm90_gluon_available(device):
+        big = dict(K=128, V=128)
+        cases += [("1x8192 16/32", dict(big, H=16, HV=32), [8192], torch.bfloat16, False),
+                  ("1x8192 4/8", dict(big, H=4, HV=8), [8192], torch.bfloat16, False),
+                  ("4x1024 16/32", dict(big, H=16, HV=32), [1024] * 4, torch.bfloat16, False)]
+    saved = launch.VERIFY, host_plan.ENABLED, host_plan.PLAN_CPU, os.environ.get("GDN_SKIP_VALUE_CHECKS")
+    launch.VERIFY, host_plan.PLAN_CPU = False, device.type == "cpu"
+    out = []
+    try:
+        for tag, sh, lens, dtype, pooled in cases:
+            host_plan.clear()
+            os.environ["GDN_SKIP_VALUE_CHECKS"] = "1" if pooled else "0"
+            cu = _cu(lens, device)
+            N, T = len(lens), int(cu[-1])
+            layout = "k_last" if pooled else "v_last"
+            sshape = (sh["HV"], sh["K"], sh["V"]) if layout == "v_last" else (sh["HV"], sh["V"], sh["K"])
+            idx = None
+            if pooled:   # one draw per case (on the CPU a host tensor's values are part of the key)
+                idx = torch.randperm(N + 2, device=device)[:N].to(torch.int32)
+                idx[1] = -1
+            same = True
+            for _ in range(4):
+                x = make_inputs(1, T, sh["H"], sh["HV"], sh["K"], sh["V"], dtype=dtype, device=device)
+                state = torch.randn(N + 2 if pooled else N, *sshape, device=device)
+                if pooled:
+                    state = state.to(torch.bfloat16)
+                runs = []
+                for on in (True, False):
+                    host_plan.ENABLED = on
+                    st = state.clone()
+                    with torch.no_grad():
+                        o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=st,
+                                                       output_final_state=True, cu_seqlens=cu,
+                                                       cu_seqlens_cpu=cu.cpu(), use_qk_l2norm_in_kernel=True,
+                                                       state_layout=layout, ssm_state_indices=idx)
+                    runs.append((o, ht, st))
+                same = same and all(torch.equal(a, b) for a, b in zip(*runs))
+            fn = chunk_mod._planned_call()
+            n = sum(k[0] is fn and e.plan is not None for k, e in host_plan._PLANS.items())
+            why = host_plan.stats()["why"]
+            out.append(Result("chunk", f"public host plan {tag}: replays bitwise equal to the Python path",
+                              0.0 if same else float("inf"), 0.0))
+            out.append(Result("chunk", f"public host plan {tag}: the whole call replayed ({n} plans"
+                              f"{'' if n == 1 and not why else ', ' + str(why)})",
+                              0.0 if n == 1 and not why else float("inf"), 0.0))
+    finally:
+        launch.VERIFY, host_plan.ENABLED, host_plan.PLAN_CPU = saved[:3]
+        if saved[3] is None:
+            os.environ.pop("GDN_SKIP_VALUE_CHECKS", None)
+        else:
+            os.environ["GDN_SKIP_VALUE_CHECKS"] = saved[3]
+        host_plan.clear()
+    return out

@@ -30,7 +30,9 @@ intermediate uses while both live (what the caching allocator did for the record
 the recorded call's up to the 512-byte rounding of each), so a replay makes one allocation for all of them and
 passes the launcher their addresses; the output's tuples that hold no tensor of the call (a cached chunk table)
 are built once per plan. ``launch.VERIFY`` (``gdn check``) and launch hooks
-(profilers) bypass replays.
+(profilers) bypass replays. The public ``chunk_gated_delta_rule`` plans its inference calls whole
+(``gdn.ops.chunk._planned_call``: one key per call, the validation skipped on replays); a planned function called
+while another records runs its Python path, its launches recorded by the outer plan.
 """
 from __future__ import annotations
 

@@ -354,6 +354,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     wait for the GPU and can be captured in a CUDA graph. It must equal ``cu_seqlens`` (checked against it only on
     the host copy: start 0, non-decreasing, end T, same length).
     """
+    args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+            state_layout, ssm_state_indices, chunk_size, cu_seqlens_cpu, output_state_indices,
+            checkpoint_every_n_tokens, checkpoint_indices, return_chunk_states)
+    if _plannable(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, ssm_state_indices,
+                  output_state_indices, checkpoint_indices):
+        return _planned_call()(*args)
+    return _call(*args)
+
+
+def _call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
+          state_layout, ssm_state_indices, chunk_size, cu_seqlens_cpu, output_state_indices, checkpoint_every_n_tokens,
+          checkpoint_indices, return_chunk_states):
+    """The public op's body: validation, then the reference or the Triton path."""
     cu_host = V_.cu_seqlens_host("cu_seqlens_cpu", cu_seqlens_cpu, cu_seqlens)
     scale, layout, N = _validate(q, k, v, g, beta, scale, initial_state, output_final_state,
                                  cu_seqlens if cu_host is None else (cu_seqlens, cu_host),
@@ -368,6 +381,54 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     _validate_triton_limits(q, v)
     return _triton_path(q, k, v, g, beta, scale, initial_state, bool(output_final_state), cu_seqlens,
                         bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size, cu_host, **extra)
+
+
+def _plannable(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, ssm_state_indices, output_state_indices,
+               checkpoint_indices) -> bool:
+    """Whether a call may go through the public op's host plan (:func:`_planned_call`): an inference call on the
+    Triton path whose validation reads no device values. A replay skips the validation, so everything it checks must
+    be fixed by the plan's key (dtypes, shapes, strides, devices, scalars, host copies of cu_seqlens by value); the
+    rest is decided here per call: no gradient, not traced, the Triton backend, no device copy of cu_seqlens read
+    back (``cu_seqlens_cpu`` given, <= 256 entries: checked in Python) and no pool index checks on the host (they
+    run unless skipped: ``GDN_SKIP_VALUE_CHECKS``, graph capture)."""
+    if not isinstance(q, torch.Tensor) or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
+                                       for t in (q, k, v, g, beta, initial_state)):
+        return False
+    if cu_seqlens is not None and not 0 < _host_len(cu_seqlens_cpu) <= 256:
+        return False
+    if (ssm_state_indices is not None or output_state_indices is not None or checkpoint_indices is not None) and \
+            V_.host_checks_allowed(q.device):
+        return False
+    try:
+        return use_triton(q.device)
+    except RuntimeError:    # raised by the call itself, after its validation
+        return False
+
+
+def _host_len(x) -> int:
+    """The number of entries of a host copy of cu_seqlens (0: none, or not a 1-D sequence)."""
+    if isinstance(x, torch.Tensor):
+        return x.numel() if x.dim() == 1 else 0
+    try:
+        return len(x)
+    except TypeError:
+        return 0
+
+
+_PLANNED = []
+
+
+def _planned_call():
+    """:func:`_call` under a host plan (``gdn.kernels.host_plan.planned``): one key for the whole public call, so
+    that a replay runs neither the validation nor the Python of the Triton path (the kernel-level plan of the
+    forward inside is not consulted either: its launches are the public plan's)."""
+    if not _PLANNED:
+        from gdn.kernels.host_plan import planned
+
+        _PLANNED.append(planned(_call))
+    return _PLANNED[0]
 
 
 __all__ = ["chunk_gated_delta_rule", "chunk_gated_delta_rule_packed", "ChunkGatedDeltaRuleFunction",
