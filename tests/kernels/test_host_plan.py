@@ -513,6 +513,8 @@ def test_public_op_replays_skip_validation(plans, device, nan_empty, monkeypatch
             assert outs[0][1] is outs[0][2], "a pool is returned as the final state"
     assert on == 2, f"validation ran on {on} of {CALLS} planned calls (plain and recorded only)"
     assert _public_plans() == 1, plans.stats()
+    # the forward's own planned function ran its Python path inside the public call's: no key of its own
+    assert plans.stats()["keys"] == 1, plans.stats()
 
 
 def test_public_op_plans_only_calls_validated_by_their_key(plans, device, monkeypatch):

@@ -32,7 +32,8 @@ passes the launcher their addresses; the output's tuples that hold no tensor of 
 are built once per plan. ``launch.VERIFY`` (``gdn check``) and launch hooks
 (profilers) bypass replays. The public ``chunk_gated_delta_rule`` plans its inference calls whole
 (``gdn.ops.chunk._planned_call``: one key per call, the validation skipped on replays); a planned function called
-while another records runs its Python path, its launches recorded by the outer plan.
+while another runs (not a replay) runs its Python path: its launches are recorded by the outer plan, and a key of its
+own would cost each call of an unplanned outer key a second walk and take a plan slot that no replay consults.
 """
 from __future__ import annotations
 
@@ -676,13 +677,11 @@ class _Entry:
 def _record(fn, args, kwargs, inputs, entry):
     stream = _launch_mod.current_stream()
     rec = _Recorder(inputs, stream)
-    _local.recorder = rec
     _launch_mod.set_recorder(rec)
     try:
         with rec:
             out = fn(*args, **kwargs)
     finally:
-        _local.recorder = None
         _launch_mod.set_recorder(None)
     if rec.bad is None:
         try:
@@ -702,7 +701,7 @@ def planned(fn):
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        if not ENABLED or _launch_mod.VERIFY or getattr(_local, "recorder", None) is not None:
+        if not ENABLED or _launch_mod.VERIFY or getattr(_local, "nested", False):
             return fn(*args, **kwargs)
         try:
             key, inputs = _call_key(wrapper, args, kwargs)
@@ -717,9 +716,13 @@ def planned(fn):
                 _PLANS.pop(next(iter(_PLANS)))
             entry = _PLANS[key] = _Entry()
         entry.calls += 1
-        if entry.calls < RECORD_AT or entry.failures >= MAX_TRIES:
-            return fn(*args, **kwargs)
-        return _record(fn, args, kwargs, inputs, entry)
+        _local.nested = True     # planned functions that fn calls run their Python path (see the module docstring)
+        try:
+            if entry.calls < RECORD_AT or entry.failures >= MAX_TRIES:
+                return fn(*args, **kwargs)
+            return _record(fn, args, kwargs, inputs, entry)
+        finally:
+            _local.nested = False
 
     return wrapper
 

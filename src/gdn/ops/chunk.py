@@ -357,7 +357,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     args = (q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
             state_layout, ssm_state_indices, chunk_size, cu_seqlens_cpu, output_state_indices,
             checkpoint_every_n_tokens, checkpoint_indices, return_chunk_states)
-    if _plannable(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, ssm_state_indices,
+    if _plannable(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, ssm_state_indices,
                   output_state_indices, checkpoint_indices):
         return _planned_call()(*args)
     return _call(*args)
@@ -383,15 +383,15 @@ def _call(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens
                         bool(use_qk_l2norm_in_kernel), layout, ssm_state_indices, chunk_size, cu_host, **extra)
 
 
-def _plannable(q, k, v, g, beta, initial_state, cu_seqlens, cu_seqlens_cpu, ssm_state_indices, output_state_indices,
-               checkpoint_indices) -> bool:
+def _plannable(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cpu, ssm_state_indices,
+               output_state_indices, checkpoint_indices) -> bool:
     """Whether a call may go through the public op's host plan (:func:`_planned_call`): an inference call on the
     Triton path whose validation reads no device values. A replay skips the validation, so everything it checks must
     be fixed by the plan's key (dtypes, shapes, strides, devices, scalars, host copies of cu_seqlens by value); the
     rest is decided here per call: no gradient, not traced, the Triton backend, no device copy of cu_seqlens read
-    back (``cu_seqlens_cpu`` given, <= 256 entries: checked in Python) and no pool index checks on the host (they
-    run unless skipped: ``GDN_SKIP_VALUE_CHECKS``, graph capture)."""
-    if not isinstance(q, torch.Tensor) or torch.compiler.is_compiling():
+    back (``cu_seqlens_cpu`` given, <= 256 entries: checked in Python), no pool index checks on the host (they
+    run unless skipped: ``GDN_SKIP_VALUE_CHECKS``, graph capture) and no scale given as a tensor (read back)."""
+    if not isinstance(q, torch.Tensor) or isinstance(scale, torch.Tensor) or torch.compiler.is_compiling():
         return False
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
                                        for t in (q, k, v, g, beta, initial_state)):
