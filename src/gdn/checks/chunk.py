@@ -657,8 +657,7 @@ def chunk_host_plans(device):
                                                        state_layout=layout, ssm_state_indices=idx)
                     runs.append((o, ht, st))
                 same = same and all(torch.equal(a, b) for a, b in zip(*runs))
-            fn = chunk_mod._planned_call()
-            n = sum(k[0] is fn and e.plan is not None for k, e in host_plan._PLANS.items())
+            n = host_plan.stats(chunk_mod._planned_call())["plans"]
             why = host_plan.stats()["why"]
             out.append(Result("chunk", f"public host plan {tag}: replays bitwise equal to the Python path",
                               0.0 if same else float("inf"), 0.0))

@@ -727,12 +727,14 @@ def planned(fn):
     return wrapper
 
 
-def stats() -> dict:
+def stats(fn=None) -> dict:
     """{"plans": keys with a plan, "keys": keys seen, "given_up": keys whose recordings failed MAX_TRIES times,
-    "why": what stopped the last failed recording of each function (an operator, a launch, "output")}."""
-    return {"plans": sum(e.plan is not None for e in _PLANS.values()), "keys": len(_PLANS),
-            "given_up": sum(e.failures >= MAX_TRIES for e in _PLANS.values()),
-            "why": {k[0].__name__: e.why for k, e in _PLANS.items() if e.why is not None}}
+    "why": what stopped the last failed recording of each function (an operator, a launch, "output")}; of the keys
+    of the planned function ``fn`` alone where given."""
+    items = [(k, e) for k, e in _PLANS.items() if fn is None or k[0] is fn]
+    return {"plans": sum(e.plan is not None for _, e in items), "keys": len(items),
+            "given_up": sum(e.failures >= MAX_TRIES for _, e in items),
+            "why": {k[0].__name__: e.why for k, e in items if e.why is not None}}
 
 
 __all__ = ["planned", "clear", "stats", "ENABLED", "RECORD_AT"]

@@ -18,7 +18,8 @@ MAX_HEAD_DIM = 256
 
 
 def _needs_grad(*tensors) -> bool:
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    """Whether autograd records a call on these (None, or not a tensor: never)."""
+    return torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in tensors)
 
 
 def _validate(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm_in_kernel,
@@ -393,8 +394,7 @@ def _plannable(q, k, v, g, beta, scale, initial_state, cu_seqlens, cu_seqlens_cp
     run unless skipped: ``GDN_SKIP_VALUE_CHECKS``, graph capture) and no scale given as a tensor (read back)."""
     if not isinstance(q, torch.Tensor) or isinstance(scale, torch.Tensor) or torch.compiler.is_compiling():
         return False
-    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False)
-                                       for t in (q, k, v, g, beta, initial_state)):
+    if _needs_grad(q, k, v, g, beta, initial_state):
         return False
     if cu_seqlens is not None and not 0 < _host_len(cu_seqlens_cpu) <= 256:
         return False
