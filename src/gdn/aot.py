@@ -595,7 +595,9 @@ def compile_redo(**flags):
 
 
 # portable kernels of the sm_90 forward's launch chain, built with PDL (their plain builds: the scenarios above)
-PDL_PORTABLE_BUILDS = [("merge", compile_merge, dict(PDL=True)), ("overflow redo", compile_redo, dict(PDL=True)),
+PDL_PORTABLE_BUILDS = [("merge", compile_merge, dict(PDL=True)),
+                       ("merge, 3 stages (the sm_90 row)", compile_merge, dict(PDL=True, STAGES=3)),
+                       ("overflow redo", compile_redo, dict(PDL=True)),
                        ("overflow redo, Ainv packed in o", compile_redo, dict(PDL=True, AP=128))]
 
 

@@ -1027,7 +1027,7 @@ def test_fused_kernel_keeps_states_when_asked(monkeypatch, fused_states):
 @pytest.mark.parametrize("packed, store_ainv, seg, p_in", [
     (True, False, None, False), (False, False, None, False), (True, True, None, False), (True, False, "gluon", False),
     (True, False, "portable", False), (True, False, None, True), (False, False, None, True), (True, True, None, True),
-    (True, False, "gluon", True)])
+    (True, False, "gluon", True), (True, False, "portable", True)])
 def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, store_ainv, seg, p_in):
     """chunk_gated_delta_rule_fwd where the register-state kernel (V tile 128) takes the final pass and the sm_90
     prepare runs (plan, support and launches emulated, launches recorded): with ``chunk_fwd.state_sm90_fused_t_packed``
@@ -1036,9 +1036,9 @@ def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, sto
     call that keeps Ainv (training), gets buffers of their own. ``seg``: a segmented run (segments of 2 chunks) whose
     segment pass is the Gluon one (it is handed the packed Ainv view as it is) or the portable one (no packing: that
     kernel reads a contiguous Ainv only; were it handed a packed one, it reads a contiguous copy). ``p_in``
-    (``chunk_fwd.state_sm90_t_p_in_kernel``): an unsegmented run's kernel forms P itself, so the prepare gets no q and
-    writes no P (Ainv alone in o's first half when packed), stores q's L2 row scalings from q's tiles instead, and
-    the fused launch gets those in qf's place; segmented runs read P as before."""
+    (``chunk_fwd.state_sm90_t_p_in_kernel``): the kernel forms P itself, unsegmented or as a segmented run's final
+    pass, so the prepare gets no q and writes no P (Ainv alone in o's first half when packed), stores q's L2 row
+    scalings from q's tiles instead, and the fused launch gets those in qf's place."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import forward, prepare, state
 
@@ -1066,7 +1066,7 @@ def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, sto
     ((pa, pkw),), (fa,), (rkw,) = prep, fused, redo
     ainv, p = pa[5], pa[7]                      # launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, ...)
     assert fa[5] is ainv and fa[6] is p and fa[10] is o     # launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, ..)
-    if p_in and not seg:
+    if p_in:
         assert pa[1] is None and p is None and pa[8] is None and pkw["rq_of"] is x.q
         assert fa[7] is pkw["rq"] and pkw["rq"].shape == (B, T, H) and pkw["rq"].dtype == torch.float32
         p = ainv                                # (the layout checks below: Ainv alone)
@@ -1193,20 +1193,21 @@ def test_fused_kernel_forms_p_where_the_tuning_says(monkeypatch, bv, seg, field,
         assert a[6].shape == (B, T, HV, 64) and a[7].shape == (B, T, HV)
 
 
-@pytest.mark.parametrize("field, l2, seg", [(True, True, -1), (True, False, -1), (False, True, -1), (True, True, 2)])
+@pytest.mark.parametrize("field, l2, seg", [(True, True, -1), (True, False, -1), (False, True, -1), (True, True, 2),
+                                            (False, True, 2)])
 def test_register_state_kernel_forms_p_where_the_tuning_says(monkeypatch, field, l2, seg):
     """chunk_gated_delta_rule_fwd where the register-state kernel (V tile 128) takes the final pass (plan and launch
     emulated; the portable prepare here): with ``chunk_fwd.state_sm90_t_p_in_kernel`` an unsegmented run's prepare
     gets no q (no P, no qf) and the launch gets P = None and, in qf's place, q's L2 row scalings (fp32 [B, T, H],
-    rsqrt(|q|^2 + 1e-6); None without the L2 norm); with the field off, or segmented (segments of 2 chunks), P and qf
-    come from the prepare."""
+    rsqrt(|q|^2 + 1e-6); None without the L2 norm), also segmented (segments of 2 chunks: the final pass forms P
+    as well); with the field off, P and qf come from the prepare."""
     B, T, H, HV, K, V = 1, 3 * 64 + 5, 2, 4, 64, 128
     x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
     preps, calls, _ = _fused_forward_emulated(monkeypatch, x, 128, seg, l2, state_sm90_t_p_in_kernel=field)
     (a, kw), = calls
     assert kw["BV"] == 128 and kw["transposed"] and kw["scale"] == 0.125
     p, qf = a[6], a[7]
-    if not field or seg > 0:
+    if not field:
         assert preps[0] is x.q and p.shape == (B, T, HV, 64) and qf.shape == (B, T, HV)
         return
     assert preps[0] is None and p is None

@@ -187,10 +187,8 @@ def chunk_sm90_vs_portable(device):
                     Result("chunk", name + " o", rel_err(r[0], res[0][0]), 4e-3),
                     Result("chunk", name + " final state", rel_err(p, pools[0]), 4e-3)]
         # 128: the register-state kernel (hopper._chunk_fused_t_sm90_kernel), with P formed in its P partition and
-        # ("P read") from the prepare kernel; segmented runs read P either way (one run)
+        # ("P read") from the prepare kernel, unsegmented and as a segmented run's final pass
         for bv, p_in in ((128, True), (128, False), (64, True), (32, True), (16, True)):
-            if not p_in and seg > 0:
-                continue
             pool = pool0.clone()
             with override("chunk_fwd", state_sm90_BV=bv, segment_chunks=seg, state_sm90_t_p_in_kernel=p_in):
                 o, _, aux = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, s["K"] ** -0.5, pool, True, cu,

@@ -94,12 +94,15 @@ class ChunkForward:
     # the tensor-core dtype, an inference call): the kernel has a chunk's tiles in shared memory before it stores the
     # chunk's o over them, so the call's peak holds no Ainv / P beside o (forward.py)
     state_sm90_fused_t_packed: bool = True
-    # ... unsegmented, with P formed in the kernel by a fourth partition (hopper._t_p_steps: Q K^T from the stage's
-    # q / k tiles, the scalings as one exponent from gate rows the load warp forms) instead of read from the
-    # prepare kernel, which then writes no P (it loads q for r_q alone). H100 forward kernels, off / on alternating
-    # twice (bench/results/fwd_t_p_partition_ab_h100.json): 4x4096 16/32 372 / 373 -> 349 / 351 us, 16x1024
-    # 397 / 394 -> 368 / 369, 4x4096 16/64 724 / 721 -> 709 / 705; the segmented final pass at 1x65536 2/8 loses
-    # (591 / 588 -> 600 / 599: its kernel is issue-bound there, not byte-bound), so segmented plans read P
+    # ... with P formed in the kernel by a fourth partition (hopper._t_p_steps: Q K^T from the stage's q / k tiles,
+    # the scalings as one exponent from gate rows the load warp forms) instead of read from the prepare kernel,
+    # which then writes no P (it loads q for r_q alone). H100 forward kernels, off / on alternating twice
+    # (bench/results/fwd_t_p_partition_ab_h100.json): 4x4096 16/32 372 / 373 -> 349 / 351 us, 16x1024 397 / 394 ->
+    # 368 / 369, 4x4096 16/64 724 / 721 -> 709 / 705. Also as the final pass of segmented plans since the thirtieth
+    # session: on the H200 the prepare's P costs more than the P partition's issue slots (forward kernels, read /
+    # formed alternating twice: 1x65536 2/8 548 / 546 -> 517 / 519 us, 4/8 549 / 549 -> 527 / 526, 1x32768 4/8
+    # 299 / 298 -> 287 / 287, 2/8 299 / 299 -> 284 / 284; bench/results/fwd_merge_plan_h200_thirtieth.json), where
+    # the H100 had lost 1.5% at 2/8 (591 / 588 -> 600 / 599, twenty-third session: the final pass issue-bound there)
     state_sm90_t_p_in_kernel: bool = True
     # ... also as the final pass of segmented plans (few heads over long sequences), with segments re-planned so that
     # its grid fits one wave (state._one_wave_len): no h / v_new in memory there either. H100 A/B in
@@ -139,7 +142,7 @@ class ChunkForward:
     # sm_90: the fused state + output kernel (V tile 32 / 64) with P and qf formed by its output partition (Q K^T,
     # Q Q^T for r_q, Gamma from g_cum and r_k) instead of read from the prepare kernel, which then reads no q and
     # writes no P: unsegmented plans at V tile >= this
-    # (0: never; the register-state kernel at 128 always reads P). H100 kernel sums, P read / formed
+    # (0: never; the register-state kernel at 128: state_sm90_t_p_in_kernel). H100 kernel sums, P read / formed
     # (bench/results/fwd_p_in_kernel_ab_h100.json): 1x32768 64/64 (V tile 64) 1909 -> 1755 us (prepare 691 -> 458,
     # fused 1213 -> 1293); at V tile 32 the output partition's extra products outrun the chain: 1x8192 16/32 252 ->
     # 310, 1x32768 16/32 972 -> 1197; the 2/8 segmented final pass at 64: 665 -> 690
@@ -184,7 +187,9 @@ class ChunkForward:
     # L2 every step) -> 30.0 (state in registers, next tiles prefetched into registers) -> 16.2 (the same in tf32)
     # -> 14.4 (tf32, loop pipelined 2 deep: the transition lands in shared memory); BV 32 / 64 slower (18 / 24).
     # tf32 for 16-bit inputs: the segmented state's error against float64 is the bf16 path's (2.3e-3 either way);
-    # fp32 inputs keep tf32x3 (results/fwd_merge_tf32_h100.json)
+    # fp32 inputs keep tf32x3 (results/fwd_merge_tf32_h100.json). sm_90 row: 3 stages (two transitions in flight,
+    # 192 KB of shared memory; 4 do not fit): H200 merge at 1x65536 2/8 (16 segments) 29.7 / 29.2 -> 24.8 / 24.7 us,
+    # 1x8192 4/8 14.6 / 14.6 -> 13.6 / 13.7 (gdn profile --forward, 2 / 3 alternating; bench/NOTES.md)
     merge_BK: int = 128
     merge_BV: int = 16
     merge_warps: int = 8
@@ -315,7 +320,7 @@ class DecodeStep:
 # the tables: {capability: row} or {(capability, shape class): row}
 # ----------------------------------------------------------------------------------------------------------------------
 TABLES: Dict[str, dict] = {
-    "chunk_fwd": {"default": ChunkForward(), "sm_90": ChunkForward(state_stages=3, pdl=True)},
+    "chunk_fwd": {"default": ChunkForward(), "sm_90": ChunkForward(state_stages=3, pdl=True, merge_stages=3)},
     "chunk_bwd": {"default": ChunkBackward()},
     # H200 sweeps at K = V = 128 (bench/NOTES.md, decode): shape classes by N * HV and state bytes
     "decode": {

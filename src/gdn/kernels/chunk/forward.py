@@ -81,9 +81,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     # unsegmented V tile 64 (chunk_fwd.state_sm90_p_in_kernel_bv): the fused kernel forms P and qf itself, so the
     # prepare reads no q and writes no P
     pk = bv_fused in (32, 64) and 0 < int(cfg.state_sm90_p_in_kernel_bv) <= bv_fused and not plan.segmented
-    # the register-state kernel (V tile 128) of an unsegmented plan forms them in its P partition
+    # the register-state kernel (V tile 128; also a segmented plan's final pass) forms them in its P partition
     # (chunk_fwd.state_sm90_t_p_in_kernel) from q's L2 row scalings, which its load warp reads where qf would be
-    pa = bv_fused == 128 and bool(cfg.state_sm90_t_p_in_kernel) and not plan.segmented
+    pa = bv_fused == 128 and bool(cfg.state_sm90_t_p_in_kernel)
     pk = pk or pa
     # q's L2 row scalings come out of the prepare kernel where it computes P (the fused kernel) and a backward follows
     # (store_ainv): it reads them instead of launching l2_rnorm(q); an inference call neither stores nor holds them
