@@ -188,8 +188,9 @@ class ChunkForward:
     # -> 14.4 (tf32, loop pipelined 2 deep: the transition lands in shared memory); BV 32 / 64 slower (18 / 24).
     # tf32 for 16-bit inputs: the segmented state's error against float64 is the bf16 path's (2.3e-3 either way);
     # fp32 inputs keep tf32x3 (results/fwd_merge_tf32_h100.json). sm_90 row: 3 stages (two transitions in flight,
-    # 192 KB of shared memory; 4 do not fit): H200 merge at 1x65536 2/8 (16 segments) 29.7 / 29.2 -> 24.8 / 24.7 us,
-    # 1x8192 4/8 14.6 / 14.6 -> 13.6 / 13.7 (gdn profile --forward, 2 / 3 alternating; bench/NOTES.md)
+    # 216 KB of shared memory; 4 do not fit): H200 merge at 1x65536 2/8 (16 segments) 29.7 / 29.2 -> 24.8 / 24.7 us,
+    # 1x8192 4/8 14.6 / 14.6 -> 13.6 / 13.7 (gdn profile --forward, 2 / 3 alternating;
+    # bench/results/fwd_merge_plan_h200_thirtieth.json)
     merge_BK: int = 128
     merge_BV: int = 16
     merge_warps: int = 8
