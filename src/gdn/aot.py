@@ -458,7 +458,7 @@ def compile_hopper_parts(K=128, dtype=None, **flags):
                 gs_desc=m._desc(hh, (K, K), dn), gcum=f32, beta=torch.empty(4, dtype=dt), rq_in=f32, rk_in=f32,
                 dq_v=torch.empty(4, dtype=dt), dk_v=f32, dq_o=torch.empty(4, dtype=dt), dk_o=torch.empty(4, dtype=dt),
                 counts=i32, slot_head=i32, n_groups=8 * H, dv=torch.empty(4, dtype=dt),
-                dbeta=torch.empty(4, dtype=dt), dg=f32, cu_seqlens=i32, chunk_indices=i32, scale=0.5, T=T,
+                dbeta=torch.empty(4, dtype=dt), dg=f32, cu_seqlens=i32, chunk_indices=i32, scale=0.5, one=1.0, T=T,
                 s_dq=H * K, s_dk=H * K, s_dv=HV * K)
     cx = dict(H=H, HV=HV, D=K, USE_L2=True, IS_VARLEN=True, num_warps=8)
     cx.update(flags)
@@ -655,6 +655,40 @@ def register_pool_problem(compiled, worker_regs) -> str:
     return ""
 
 
+def wgmma_serialized_problem(compiled) -> "str | None":
+    """'' when ptxas keeps the build's asynchronous warpgroup products (wgmma) pipelined, else its C7514 note: where
+    it finds a non-wgmma instruction reading an accumulator between a product's issue and its wait (after its own
+    register allocation, so invisible in the PTX), ptxas waits after every wgmma of the kernel, which is then a
+    different kernel (the V tile 32 chain with an accumulator in flight across its loop's back-edge: +75%; the parts
+    kernel without L2 norm on Triton 3.6: bench/NOTES.md, thirty-first session). None where this Triton's ptxas
+    cannot be run; '' for a build without wgmma."""
+    import subprocess
+    import tempfile
+
+    ptx = compiled.asm["ptx"]
+    if "wgmma.mma_async" not in ptx:
+        return ""
+    try:    # the ptxas Triton itself runs for sm_90 (3.9: the CUDA 13 one, named ptxas-blackwell)
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except (ImportError, AttributeError, TypeError):
+        return None
+    with tempfile.TemporaryDirectory() as d:
+        src = os.path.join(d, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        try:
+            r = subprocess.run([ptxas, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.cubin")],
+                               capture_output=True, text=True, timeout=300)
+        except (OSError, subprocess.SubprocessError):
+            return None
+    if r.returncode != 0:
+        return None
+    note = [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "C7514" in ln]
+    return note[0] if note else ""
+
+
 _ELEM_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i64": 8, "i32": 4, "i8": 1, "i1": 1}
 SCRATCH_REACH = 4096    # bytes from its offset that a scratch buffer of unknown size is taken to cover
 
@@ -765,7 +799,7 @@ def _compile_hopper() -> int:
     if not _gluon_api.AVAILABLE:
         print("gdn.aot: hopper: Gluon not available in this Triton (the portable kernels run instead)", flush=True)
         return 0
-    bad = unchecked = 0
+    bad = unchecked = no_ptxas = 0
     builds = [("state pass", compile_hopper_state_pass, c) for c in HOPPER_CONFIGS]
     builds += [("fused pass", compile_hopper_fused_pass, c) for c in FUSED_CONFIGS]
     builds += [("register-state fused pass", compile_hopper_fused_t_pass, c) for c in FUSED_T_CONFIGS]
@@ -796,6 +830,11 @@ def _compile_hopper() -> int:
                 unchecked += 1
             elif why:
                 raise RuntimeError(f"shared-memory race: {why}")
+            why = wgmma_serialized_problem(compiled)
+            if why is None:
+                no_ptxas += 1
+            elif why:
+                raise RuntimeError(f"wgmma serialized by ptxas: {why}")
         except Exception as e:  # noqa: BLE001 - reported, counted
             bad += 1
             cause = e
@@ -807,6 +846,8 @@ def _compile_hopper() -> int:
           "configurations compile", flush=True)
     print(f"gdn.aot: hopper: async product operands checked in {total - unchecked} of {total} builds"
           + (" (this Triton's allocation passes are not the ones read here)" if unchecked else ""), flush=True)
+    print(f"gdn.aot: hopper: wgmma pipelines checked by ptxas in {total - no_ptxas} of {total} builds"
+          + (" (this Triton's ptxas could not be run)" if no_ptxas else ""), flush=True)
     return 1 if bad else 0
 
 def main(argv=None) -> int:

@@ -39,6 +39,9 @@ def test_every_launch_compiles_for_sm90():
 
         known = triton.__version__.split(".")[:2] in (["3", "6"], ["3", "7"], ["3", "8"], ["3", "9"])
         assert f" {n} of {n} " in checked or (not known and "not the ones read here" in checked), checked
+        # and ptxas pipelines every build's wgmma (gdn.aot.wgmma_serialized_problem: a C7514 note fails the build)
+        (pipelined,) = [ln for ln in summary if "wgmma pipelines checked" in ln]
+        assert f" {n} of {n} " in pipelined, pipelined
 
 
 def test_register_split_of_warp_specialized_kernels():
@@ -126,3 +129,52 @@ def test_async_operand_race_reads_the_allocated_ir(offset, size, race):
     conv = next(i for i, ln in enumerate(lines) if "%c_late" in ln)
     lines.append(lines.pop(conv))        # the same scratch after the last wait
     assert aot.async_operand_race("\n".join(lines)) == ""
+
+
+_WGMMA_PTX = """.version 8.0
+.target sm_90a
+.address_size 64
+
+.visible .entry probe(.param .u64 out, .param .u64 da, .param .u64 db)
+{
+	.reg .pred %p<2>;
+	.reg .f32 %f<8>;
+	.reg .b64 %rd<4>;
+	ld.param.u64 %rd1, [out];
+	ld.param.u64 %rd2, [da];
+	ld.param.u64 %rd3, [db];
+	setp.ne.u64 %p1, %rd2, 0;
+	mov.f32 %f0, 0f00000000;
+	mov.f32 %f1, 0f00000000;
+	mov.f32 %f2, 0f00000000;
+	mov.f32 %f3, 0f00000000;
+	wgmma.fence.sync.aligned;
+	wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%f0, %f1, %f2, %f3}, %rd2, %rd3, %p1, 1, 1, 0, 0;
+	READ_BETWEEN
+	wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%f0, %f1, %f2, %f3}, %rd2, %rd3, %p1, 1, 1, 0, 0;
+	wgmma.commit_group.sync.aligned;
+	wgmma.wait_group.sync.aligned 0;
+	READ_AFTER
+	add.f32 %f5, %f2, %f4;
+	st.global.f32 [%rd1], %f5;
+	ret;
+}
+"""
+
+
+@pytest.mark.parametrize("between", [True, False])
+def test_wgmma_serialization_is_reported(between):
+    """gdn.aot.wgmma_serialized_problem runs Triton's own ptxas for sm_90 on a build's PTX: an accumulator read
+    between two products of one group (ptxas then serializes every wgmma, note C7514) is reported; the same read
+    after the wait is not."""
+    from gdn import aot
+
+    read = "add.f32 %f4, %f0, %f1;"
+    ptx = _WGMMA_PTX.replace("READ_BETWEEN", read if between else "").replace("READ_AFTER", "" if between else read)
+
+    class Build:
+        asm = {"ptx": ptx}
+
+    why = aot.wgmma_serialized_problem(Build())
+    assert why is not None, "Triton's ptxas for sm_90 could not be run"
+    assert ("C7514" in why) == between, why

@@ -107,7 +107,7 @@ if G.AVAILABLE:
     def _bwd_parts_sm90_kernel(
         q_desc, k_desc, do_desc, vn_desc, dvn_desc, v_desc, ai_desc, h_desc, gs_desc,
         gcum, beta, rq_in, rk_in, dq_v, dk_v, dq_o, dk_o, counts, slot_head, n_groups, dv, dbeta, dg, cu_seqlens,
-        chunk_indices, scale, T, s_dq, s_dk, s_dv, H: gl.constexpr, HV: gl.constexpr, D: gl.constexpr,
+        chunk_indices, scale, one, T, s_dq, s_dk, s_dv, H: gl.constexpr, HV: gl.constexpr, D: gl.constexpr,
         USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, num_warps: gl.constexpr,
     ):
         """Parts A and B of one (chunk, value head) (module docstring); D = K = V; program id = chunk * HV + value
@@ -307,7 +307,10 @@ if G.AVAILABLE:
         gl.store(dbeta + tok_r * HV + i_hv, db_r.to(dbeta.dtype.element_ty), mask=m_r)
         dk, _, _, _, _ = warpgroup_mma_wait(0, deps=[t_acc, p_s, q_s, m_s, k_s])
         if GR == 1:
-            dk = _l2_backward(dk, k_s, rk_in, tok_d, m_d, i_h, 1.0, H, LD, USE_L2)
+            # ``one``: a runtime 1.0, not the literal: with nothing between the last product's wait and dk's
+            # conversion to the output dtype (no L2 norm), ptxas (Triton 3.6's) serializes every wgmma of the kernel
+            # (C7514; gdn.aot.wgmma_serialized_problem)
+            dk = _l2_backward(dk, k_s, rk_in, tok_d, m_d, i_h, one, H, LD, USE_L2)
             gl.store(dk_o + (tok_d * s_dk + i_h * D)[:, None] + o_d[None, :], dk.to(dk_o.dtype.element_ty),
                      mask=m_dd)
         else:
@@ -401,7 +404,7 @@ def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, 
         _desc(h.view(-1, K), (K, K), dn), _desc(gs.view(-1, K), (K, K), dn),
         g_cum, beta, rq if rq is not None else ph, rk if rk is not None else ph, dq_v, dk_v, dq, dk, counts,
         slot_head, NT * H, dv, dbeta, dg, cu_seqlens if cu_seqlens is not None else chunk_indices, chunk_indices,
-        float(scale), T, _row_stride(dq), _row_stride(dk), _row_stride(dv), H=H, HV=HV, D=K, USE_L2=use_l2,
+        float(scale), 1.0, T, _row_stride(dq), _row_stride(dk), _row_stride(dv), H=H, HV=HV, D=K, USE_L2=use_l2,
         IS_VARLEN=cu_seqlens is not None, num_warps=8)
 
 
