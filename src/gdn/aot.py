@@ -685,14 +685,13 @@ def ptxas_notes(compiled) -> "list | None":
     return [ln.strip() for ln in (r.stdout + r.stderr).splitlines() if "(C75" in ln]
 
 
-def wgmma_serialized_problem(compiled, notes=None) -> "str | None":
-    """'' when ptxas keeps the build's asynchronous warpgroup products (wgmma) pipelined, else its C7514 note: where
-    it finds a non-wgmma instruction reading an accumulator between a product's issue and its wait (after its own
-    register allocation, so invisible in the PTX), ptxas waits after every wgmma of the kernel, which is then a
-    different kernel (the V tile 32 chain with an accumulator in flight across its loop's back-edge: +75%; the parts
-    kernel without L2 norm on Triton 3.6: bench/NOTES.md, thirty-first session). None where this Triton's ptxas
-    cannot be run. ``notes``: :func:`ptxas_notes` of the build when already read."""
-    notes = ptxas_notes(compiled) if notes is None else notes
+def wgmma_serialized_problem(notes) -> "str | None":
+    """'' when ptxas keeps a build's asynchronous warpgroup products (wgmma) pipelined, else its C7514 note, from the
+    build's :func:`ptxas_notes` (None where those could not be read: None). Where ptxas finds a non-wgmma instruction
+    reading an accumulator between a product's issue and its wait (after its own register allocation, so invisible
+    in the PTX), it waits after every wgmma of the kernel, which is then a different kernel (the V tile 32 chain with
+    an accumulator in flight across its loop's back-edge: +75%; the parts kernel without L2 norm on Triton 3.6:
+    bench/NOTES.md, thirty-first session)."""
     if notes is None:
         return None
     serial = [ln for ln in notes if "C7514" in ln]
@@ -842,7 +841,7 @@ def _compile_hopper() -> int:
             elif why:
                 raise RuntimeError(f"shared-memory race: {why}")
             notes = ptxas_notes(compiled)
-            why = wgmma_serialized_problem(compiled, notes)
+            why = wgmma_serialized_problem(notes)
             if why is None:
                 no_ptxas += 1
             elif why:

@@ -164,9 +164,9 @@ _WGMMA_PTX = """.version 8.0
 
 @pytest.mark.parametrize("between", [True, False])
 def test_wgmma_serialization_is_reported(between):
-    """gdn.aot.wgmma_serialized_problem runs Triton's own ptxas for sm_90 on a build's PTX: an accumulator read
-    between two products of one group (ptxas then serializes every wgmma, note C7514) is reported; the same read
-    after the wait is not."""
+    """gdn.aot.ptxas_notes runs Triton's own ptxas for sm_90 on a build's PTX and wgmma_serialized_problem reads
+    them: an accumulator read between two products of one group (ptxas then serializes every wgmma, note C7514) is
+    reported; the same read after the wait is not."""
     from gdn import aot
 
     read = "add.f32 %f4, %f0, %f1;"
@@ -175,6 +175,6 @@ def test_wgmma_serialization_is_reported(between):
     class Build:
         asm = {"ptx": ptx}
 
-    why = aot.wgmma_serialized_problem(Build())
+    why = aot.wgmma_serialized_problem(aot.ptxas_notes(Build()))
     assert why is not None, "Triton's ptxas for sm_90 could not be run"
     assert ("C7514" in why) == between, why
