@@ -563,6 +563,14 @@ HOPPER_CONFIGS += [dict(BV=64, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDE
 # with Ainv alone in o's rows from a prepare without P (which loads q for r_q alone), with and without the L2 norm
 FUSED_T_CONFIGS += [dict(PA=True, PDL=True, AP=128), dict(PA=True, PDL=True, AP=128, USE_L2=False)]
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, STORE_P=False, STORE_RQ=True, AP=128)]
+# an inference forward of the fused kernel forming P itself (V tile 64 by default, 32 by tuning): g_cum, r_k and
+# the flags packed into o's rows (chunk_fwd.state_sm90_row_scalars_in_o; V = 128: VP 64, a copy per V tile), the
+# prepare without P, with and without the L2 norm
+PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, STORE_RQ=False, STORE_P=False, VP=64, VB=vb, NCOPY=64 // vb, **f)
+                    for vb in (16, 32) for f in (dict(), dict(USE_L2=False, STORE_RK=False))]
+FUSED_CONFIGS += [dict(BV=bv, PDL=True, VP=64, VB=bv // 2, PK=True, **f) for bv in (32, 64)
+                  for f in (dict(), dict(USE_L2=False, IS_VARLEN=False, INIT=0, H0_INDEXED=False, HT_INDEXED=False,
+                                         O_INDEXED=False))]
 
 
 def compile_merge(**flags):
@@ -589,6 +597,8 @@ def compile_redo(**flags):
     i32 = torch.empty(4, dtype=torch.int32)
     args = dict(flags=torch.empty(4, dtype=torch.int8), n_items=1000, k=bf, beta=bf, gcum=f32, ainv=bf, w=bf,
                 chunk_indices=i32, cu_seqlens=i32, T=4096, s_kb=0, s_kt=256, s_kh=128, s_bb=0, s_bt=2, s_bh=1)
+    if flags.get("VP"):     # the flags and g_cum in o's rows: o's fp32 view
+        args["flags"] = f32
     cx = dict(H=2, HV=4, K=128, BK=64, USE_L2=True, IS_VARLEN=True, STORE_W=False, DT=tl.bfloat16, BLOCK=128, PDL=False)
     cx.update(flags)
     return compile_gluon(prepare._prepare_redo_kernel, args, cx, num_warps=4, options={"num_stages": 1})
@@ -598,7 +608,8 @@ def compile_redo(**flags):
 PDL_PORTABLE_BUILDS = [("merge", compile_merge, dict(PDL=True)),
                        ("merge, 3 stages (the sm_90 row)", compile_merge, dict(PDL=True, STAGES=3)),
                        ("overflow redo", compile_redo, dict(PDL=True)),
-                       ("overflow redo, Ainv packed in o", compile_redo, dict(PDL=True, AP=128))]
+                       ("overflow redo, Ainv packed in o", compile_redo, dict(PDL=True, AP=128)),
+                       ("overflow redo, g_cum and flags packed in o", compile_redo, dict(PDL=True, VP=64, VB=16))]
 
 
 def pdl_problem(compiled) -> str:

@@ -919,14 +919,16 @@ def test_prepare_dispatch_sm90(monkeypatch, with_q, g_is_cumsum, ainv_dtype, sm9
         assert kw["H"] == H and kw["HV"] == HV and kw["use_l2"]
 
 
-@pytest.mark.parametrize("with_w, packed", [(True, False), (False, False), (False, True)])
-def test_prepare_redo_overflowed(with_w, packed):
+@pytest.mark.parametrize("with_w, packed, scalars", [(True, False, False), (False, False, False),
+                                                     (False, True, False), (True, False, True), (False, False, True)])
+def test_prepare_redo_overflowed(with_w, packed, scalars):
     """redo_overflowed (the sm_90 prepare's overflow path): the flagged (chunk, value head) items' Ainv (and W) are
     recomputed from k, beta and the stored g_cum, equal to the portable prepare's; unflagged items are untouched
     (their NaN poison stays); with no flag set nothing is written. Ragged varlen, GVA, the L2 norm. ``packed``: Ainv
     is the first half of o-like [B, T, HV, 128] rows (the register-state forward's layout); the other half stays
-    untouched."""
-    from gdn.kernels.chunk import prepare
+    untouched. ``scalars``: g_cum and the flags packed into an o [B, T, HV, 64] (V tile 16:
+    ``hopper.row_scalar_pack``), only valid rows flagged there; o is not written."""
+    from gdn.kernels.chunk import hopper, prepare
     from gdn.kernels.chunk.plan import get_chunk_index
 
     cu = torch.tensor([0, C + 1, C + 1 + (C - 1), 2 * C + 2 * C + 2], dtype=torch.int32)   # 65, 63, 130 tokens
@@ -950,7 +952,23 @@ def test_prepare_redo_overflowed(with_w, packed):
         rows128 = torch.full((1, T, HV, 128), float("nan"), dtype=ainv.dtype)
         a_out = rows128[..., :64] if packed else torch.full_like(ainv, float("nan"))
         w_out = torch.full_like(w, float("nan")) if with_w else None
-        prepare.redo_overflowed(fl, x.k, x.beta, g_cum, a_out, w_out, ci, cu, T, True)
+        if scalars:
+            o = torch.randn(1, T, HV, 64).to(ainv.dtype)
+            view, vp, vb = hopper.row_scalar_pack(o, 16)
+            rs = view.view(1, T, HV, vp)
+            for i, (a, b, hv) in enumerate(items):      # field f of token t: entry f nv + t of the chunk's block
+                nv = b - a
+                for f, vals in ((0, g_cum[0, a:b, hv]), (2, fl[i, :nv].float() * torch.rand(nv).add(0.5))):
+                    e = f * nv + torch.arange(nv)
+                    rs[0, a + e // vb, hv, e % vb] = vals
+            o_before = o.clone()
+            prepare.redo_overflowed(view, x.k, x.beta, view, a_out, w_out, ci, cu, T, True,
+                                    packed_pitch=(vp, vb))
+            assert torch.equal(o.view(torch.int16), o_before.view(torch.int16))
+            # (flags past a chunk's valid rows cannot be packed: those items count as unflagged below)
+            fl = torch.stack([fl[i] * (torch.arange(64) < b - a) for i, (a, b, hv) in enumerate(items)])
+        else:
+            prepare.redo_overflowed(fl, x.k, x.beta, g_cum, a_out, w_out, ci, cu, T, True)
         assert torch.isnan(rows128[..., 64:]).all()
         for i, (a, b, hv) in enumerate(items):
             if fl[i].any():
@@ -1085,6 +1103,60 @@ def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, sto
         assert not (lo <= ainv.data_ptr() < hi) and not (lo <= p.data_ptr() < hi)
         assert ainv.is_contiguous() and p.is_contiguous() and "AP" not in rkw
         assert aux["ainv"] is ainv
+
+
+@pytest.mark.parametrize("bv, pin, on, store_ainv, seg, l2", [
+    (64, 64, True, False, None, True), (64, 64, True, False, None, False), (32, 32, True, False, None, True),
+    (32, 64, True, False, None, True), (16, 64, True, False, None, True), (64, 64, False, False, None, True),
+    (64, 64, True, True, None, True), (64, 64, True, False, 2, True)])
+def test_fused_forward_packs_row_scalars_into_o(monkeypatch, bv, pin, on, store_ainv, seg, l2):
+    """chunk_gated_delta_rule_fwd where the V tile 16 / 32 / 64 fused kernel takes the final pass and the sm_90
+    prepare runs (plan, support and launches emulated, launches recorded): with ``chunk_fwd.state_sm90_row_scalars_in_o``
+    an unsegmented inference call whose fused kernel forms P itself (V tile >= ``state_sm90_p_in_kernel_bv``) hands
+    the prepare, the overflow redo and the fused launch one pointer for g_cum, r_k (with the L2 norm) and the flags:
+    o's own bytes as fp32, with o's pitch and the tile's (VP = V / 2, VB = BV / 2, V / BV copies), and returns no g_cum
+    / r_k (o overwrites them); P from the prepare (smaller tiles), the field off, a call that keeps Ainv (training) or
+    a segmented run gets buffers of their own."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import forward, prepare, state
+
+    B, T, H, HV, K, V = 1, 130, 2, 4, 64, 128
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
+    prep, redo, fused = [], [], []
+
+    def plan(q, k, v, ci, s, ckpt, states=False):
+        return bv, state._pass_plan(ci, HV, K, V, q.device, False, seg if seg else s)[0]
+
+    monkeypatch.setattr(forward, "fused_output_plan", plan)
+    monkeypatch.setattr(state, "merge_segment_states", lambda *a, **kw: torch.zeros(1))
+    monkeypatch.setattr(state.hopper, "launch_state_pass", lambda *a, **kw: None)
+    monkeypatch.setattr(state, "_launch", lambda *a, **kw: None)
+    monkeypatch.setattr(prepare.hopper_prepare, "supported", lambda k, q, K, adt, prec: adt == k.dtype)
+    monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: prep.append((a, kw)))
+    monkeypatch.setattr(prepare, "_launch", lambda kernel, grid, *a, **kw: redo.append((a, kw)))
+    monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: fused.append((a, kw)))
+    with tuning.override("chunk_fwd", state_sm90_row_scalars_in_o=on, prepare_sm90=True, solve_sm90_f16=True,
+                         state_sm90_p_in_kernel_bv=pin):
+        o, _, aux = forward.chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, 0.125, None, False, None, 64,
+                                                       l2, return_states=False, store_ainv=store_ainv)
+    ((pa, pkw),), ((ra, rkw),), ((fa, fkw),) = prep, redo, fused
+    # launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, ...); launch_fused_pass(grid, q, k, v, beta, ainv, p, qf,
+    # g_cum, rk, o, ...); the redo kernel's (flags, n_items, k, beta, gcum, ...)
+    pk = bv in (32, 64) and pin <= bv and not seg
+    assert (pa[1] is None) == pk and (pa[7] is None) == pk
+    if on and pk and not store_ainv:
+        view = pa[4]
+        assert view.dtype == torch.float32 and view.data_ptr() == o.data_ptr() and view.numel() * 2 == o.numel()
+        assert pkw["row_scalars"] == (V // 2, bv // 2, V // bv) and fkw["row_scalars"] == (V // 2, bv // 2)
+        assert pkw["flags"] is view and (pa[6] is view if l2 else pa[6] is None) and pa[8] is None
+        assert fa[8] is view and (fa[9] is view if l2 else True) and fa[7] is None
+        assert ra[0] is view and ra[4] is view and rkw["VP"] == V // 2 and rkw["VB"] == bv // 2
+        assert aux["g_cum"] is None and aux["rk"] is None
+    else:
+        lo, hi = o.data_ptr(), o.data_ptr() + o.numel() * o.element_size()
+        assert pkw.get("row_scalars") is None and fkw.get("row_scalars") is None and "VP" not in rkw
+        assert pa[4].shape == (B, T, HV) and not (lo <= pa[4].data_ptr() < hi)
+        assert pkw["flags"].dtype == torch.int8 and aux["g_cum"] is pa[4]
 
 
 @pytest.mark.parametrize("store_ainv", [False, True])

@@ -201,17 +201,13 @@ def chunk_sm90_vs_portable(device):
     return out
 
 
-@register
-def chunk_sm90_packed(device):
-    """Hopper only: the register-state forward (V tile 128) with Ainv and P written into the two halves of o's own
-    rows (``chunk_fwd.state_sm90_fused_t_packed``) against the same call with them in buffers of their own: o and
-    the final states bitwise equal (the same arithmetic on the same values: no Ainv / P left in o), and the packed
-    launch taken. A ragged varlen batch (lengths 0, 1, 63, 64, 65, ...) over a pool with a padding row, both layouts,
-    GVA, the L2 norm; without it, with one key of norm 300 in every chunk (the fp16 solve's overflow redo then
-    writes into o's rows); a batched call; and a segmented run (segments of 4 chunks: the Gluon segment pass reads
-    the packed Ainv a launch before the final pass writes o over it)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
-        return []
+def _packed_vs_own_buffers(device, cases, tune, record, expected, label):
+    """Shared body of the checks of intermediates packed into o's rows: for every case (layout, l2, B, x), the
+    inference forward (ragged varlen over a pool with a padding row for B = 1, else B sequences of 200 tokens; GVA;
+    without the L2 norm one key of norm 300 in every chunk, so that the fp16 solve's overflow redo runs) with the
+    packing off and on (``tune(x, packed)``: the chunk_fwd fields), the sm_90 prepare's launches recorded
+    (``record(args, kwargs)``); rows: the launches as ``expected(x)`` says ((off, on) record lists), o and the final
+    states bitwise equal (the same arithmetic on the same values)."""
     from ..kernels.chunk import chunk_gated_delta_rule_fwd
     from ..kernels.chunk import prepare
     from ..kernels.tuning import override
@@ -219,17 +215,16 @@ def chunk_sm90_packed(device):
     s = _shapes(device)
     H, HV, K, V = s["H"], s["HV"], s["K"], s["V"]
     real = prepare.hopper_prepare.launch_prepare
-    pitches = []
+    seen = []
 
     def spy(*a, **kw):
-        pitches.append(a[5].stride(2))      # launch_prepare(k, q, g, beta, g_cum, ainv, ...)
+        seen.append(record(a, kw))
         return real(*a, **kw)
 
     out = []
     cu = _cu(s["lens"], device)
     N, T = len(s["lens"]), int(cu[-1])
-    for layout, l2, B, seg in (("v_last", True, 1, -1), ("k_last", True, 1, -1), ("v_last", False, 1, -1),
-                               ("v_last", True, 3, -1), ("k_last", True, 1, 4)):
+    for layout, l2, B, x_ in cases:
         Tb = T if B == 1 else 200
         x = make_inputs(B, Tb, H, HV, K, V, dtype=torch.bfloat16, device=device)
         if not l2:
@@ -242,19 +237,19 @@ def chunk_sm90_packed(device):
         res = []
         for packed in (False, True):
             pool = pool0.clone()
-            pitches.clear()
+            seen.clear()
             prepare.hopper_prepare.launch_prepare = spy
             try:
-                with override("chunk_fwd", state_sm90_BV=128, segment_chunks=seg, state_sm90_fused_t_packed=packed):
+                with override("chunk_fwd", **tune(x_, packed)):
                     o, _, _ = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, pool, True,
                                                          cu if B == 1 else None, use_qk_l2norm_in_kernel=l2,
                                                          state_layout=layout, state_indices=idx, final_state=pool,
                                                          return_states=False)
             finally:
                 prepare.hopper_prepare.launch_prepare = real
-            res.append((o, pool, list(pitches)))
-        name = f"sm90 BV 128 Ainv / P packed in o, {layout}, l2={l2}, B={B}" + (f", seg={seg}" if seg > 0 else "")
-        taken = res[0][2] == [64] and res[1][2] == [2 * 64]
+            res.append((o, pool, list(seen)))
+        name = f"{label(x_)}, {layout}, l2={l2}, B={B}"
+        taken = (res[0][2], res[1][2]) == expected(x_)
         out += [Result("chunk", f"{name}: packed {'as' if taken else 'NOT as'} asked", 0.0 if taken else float("inf"),
                        0.0),
                 Result("chunk", name + " o bitwise", 0.0 if torch.equal(res[1][0], res[0][0]) else
@@ -262,6 +257,46 @@ def chunk_sm90_packed(device):
                 Result("chunk", name + " final states bitwise", 0.0 if torch.equal(res[1][1], res[0][1]) else
                        max(rel_err(res[1][1], res[0][1]), 1e-30), 0.0)]
     return out
+
+
+@register
+def chunk_sm90_packed(device):
+    """Hopper only: the register-state forward (V tile 128) with Ainv and P written into the two halves of o's own
+    rows (``chunk_fwd.state_sm90_fused_t_packed``) against the same call with them in buffers of their own: o and
+    the final states bitwise equal (no Ainv / P left in o), and the packed launch taken (:func:`_packed_vs_own_buffers`:
+    ragged varlen lengths 0, 1, 63, 64, 65, ... over a pool with a padding row, both layouts, GVA, with and without
+    the L2 norm, the overflow redo writing into o's rows, a batched call); and a segmented run (segments of 4
+    chunks: the Gluon segment pass reads the packed Ainv a launch before the final pass writes o over it)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return []
+    return _packed_vs_own_buffers(
+        device, (("v_last", True, 1, -1), ("k_last", True, 1, -1), ("v_last", False, 1, -1), ("v_last", True, 3, -1),
+                 ("k_last", True, 1, 4)),
+        lambda seg, packed: dict(state_sm90_BV=128, segment_chunks=seg, state_sm90_fused_t_packed=packed),
+        lambda a, kw: a[5].stride(2),       # launch_prepare(k, q, g, beta, g_cum, ainv, ...): Ainv's head pitch
+        lambda seg: ([64], [2 * 64]),
+        lambda seg: "sm90 BV 128 Ainv / P packed in o" + (f", seg={seg}" if seg > 0 else ""))
+
+
+@register
+def chunk_sm90_row_scalars(device):
+    """Hopper only: the V tile 32 / 64 fused forward forming P itself in an inference call, with g_cum, r_k and the
+    overflow flags packed into o's own rows (``chunk_fwd.state_sm90_row_scalars_in_o``) against the same call with
+    them in buffers of their own: o and the final states bitwise equal (no scalar left in o), and the packed launch
+    taken (the chain and the P partition read g_cum and r_k there; :func:`_packed_vs_own_buffers`: ragged varlen
+    over a pool, both layouts, with and without the L2 norm, the overflow redo reading the flags and g_cum there, a
+    batched call)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return []
+    V = _shapes(device)["V"]
+    return _packed_vs_own_buffers(
+        device, (("v_last", True, 1, 64), ("k_last", False, 1, 64), ("v_last", True, 3, 64), ("k_last", True, 1, 32),
+                 ("v_last", False, 3, 32)),
+        lambda bv, packed: dict(state_sm90_BV=bv, segment_chunks=-1, state_sm90_row_scalars_in_o=packed,
+                                state_sm90_p_in_kernel_bv=bv),
+        lambda a, kw: kw.get("row_scalars"),
+        lambda bv: ([None], [(V // 2, bv // 2, V // bv)]),
+        lambda bv: f"sm90 BV {bv} row scalars in o")
 
 
 @register

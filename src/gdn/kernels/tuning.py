@@ -53,6 +53,9 @@ class ChunkForward:
     # ... that launch's programs: one per redo_block items (one vector load of their 64 row flags each where none
     # is set)
     redo_block: int = 128
+    # ... where the flags are in o's rows (state_sm90_row_scalars_in_o): a chunk's in 64-byte runs far apart, so
+    # more programs, fewer items each
+    redo_block_row_scalars: int = 16
     # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half
     # inputs, else tf32x3; or "ieee", "tf32x3", "tf32", "bf16")
     solve_precision: str = "auto"
@@ -94,6 +97,11 @@ class ChunkForward:
     # the tensor-core dtype, an inference call): the kernel has a chunk's tiles in shared memory before it stores the
     # chunk's o over them, so the call's peak holds no Ainv / P beside o (forward.py)
     state_sm90_fused_t_packed: bool = True
+    # the V tile 32 / 64 fused kernel forming P itself (state_sm90_p_in_kernel_bv) in an inference call: the per-token
+    # fp32 scalars (g_cum, r_k, the fp16 solve's overflow flags) written by the prepare into o's own rows, a copy per
+    # V tile (hopper.row_scalar_pack), read by each tile's CTA before it stores those o rows: the call holds o and
+    # Ainv alone (H200 1x8192 16/64: -3 MiB, forward kernels 430 -> 423 us; bench/NOTES.md)
+    state_sm90_row_scalars_in_o: bool = True
     # ... with P formed in the kernel by a fourth partition (hopper._t_p_steps: Q K^T from the stage's q / k tiles,
     # the scalings as one exponent from gate rows the load warp forms) instead of read from the prepare kernel,
     # which then writes no P (it loads q for r_q alone). H100 forward kernels, off / on alternating twice

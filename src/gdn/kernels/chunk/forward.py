@@ -26,6 +26,7 @@ from .common import CHUNK_SIZE, _check_chunk_size, _dot_dtype, _empty, _state_dt
 from .output import chunk_output
 from .plan import prepare_chunk_indices
 from .prepare import chunk_fwd_prepare, sm90_prepare_taken
+from .hopper import row_scalar_pack
 from .state import chunk_state_pass, fused_output_plan, segment_pass_sm90_ok
 from .backward import wants_forward_w
 
@@ -77,7 +78,6 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
         if pieces > 1:
             return _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, l2, state_layout,
                                       pieces, ci, out)
-    rk = _empty(B, T, H, device=q.device, dtype=torch.float32) if l2 else None
     # unsegmented V tile 64 (chunk_fwd.state_sm90_p_in_kernel_bv): the fused kernel forms P and qf itself, so the
     # prepare reads no q and writes no P
     pk = bv_fused in (32, 64) and 0 < int(cfg.state_sm90_p_in_kernel_bv) <= bv_fused and not plan.segmented
@@ -94,7 +94,18 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     # the register-state kernel of an inference call: Ainv (and P where the prepare forms it) as the two halves of
     # o's own rows (they are read a chunk ahead of the o they become; a segmented run's Gluon segment pass reads Ainv
     # there a launch earlier), so the call holds no Ainv / P beside o
-    o = packed = None
+    o = packed = scalars = None
+    if pk and not pa and not store_ainv and not return_states and cfg.state_sm90_row_scalars_in_o and v.dtype == dt \
+            and sm90_prepare_taken(k, None, dt, store_ainv=True, store_wu=False, g_is_cumsum=False,
+                                   ainv_dtype=a_dtype):
+        # the V tile 32 / 64 fused kernel forming P itself in an inference call: g_cum, r_k and the overflow flags in
+        # o's own rows, a copy per V tile that its CTA reads before it stores those rows (hopper.row_scalar_pack), so
+        # that the call holds nothing per token beside o and Ainv (with P from the prepare, V tile 16 / 32, the same
+        # with qf too lost: bench/NOTES.md)
+        o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
+        pack = row_scalar_pack(o, bv_fused)
+        scalars = (*pack, v.shape[3] // bv_fused) if pack is not None else None
+    rk = (scalars[0] if scalars else _empty(B, T, H, device=q.device, dtype=torch.float32)) if l2 else None
     if bv_fused == 128 and (not plan.segmented or segment_pass_sm90_ok(k, v, dt)) and not store_ainv \
             and cfg.state_sm90_fused_t_packed and v.dtype == dt and v.shape[3] == 2 * CHUNK_SIZE \
             and sm90_prepare_taken(k, None if pk else q, dt, store_ainv=True, store_wu=False, g_is_cumsum=False,
@@ -106,7 +117,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                              ainv_dtype=a_dtype, rk=rk, q=q if (bv_fused and not pk) else None, scale=scale,
                              keep_w=bool(keep_w and store_ainv and from_ainv and wants_forward_w(q, k, v, ci)),
                              ainv_out=packed[0] if packed else None, p_out=packed[1] if packed else None,
-                             rq=rq if rq_t is None else rq_t, rq_of=q if rq_t is not None else None)
+                             rq=rq if rq_t is None else rq_t, rq_of=q if rq_t is not None else None,
+                             row_scalars=scalars)
     g_cum, ainv, w, u = prep[:4]
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     fuse = None
@@ -115,7 +127,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
             o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
         fuse = dict(q=q, p=None if pk else prep[4], qf=rq_t if pa else None if pk else prep[5], o=o,
                     o_idx=state_indices, PO=P,
-                    BV=bv_fused, plan=plan, states=return_states, scale=scale)
+                    BV=bv_fused, plan=plan, states=return_states, scale=scale,
+                    row_scalars=scalars[1:3] if scalars else None)
     h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
                                     use_qk_l2norm_in_kernel, v=v if from_ainv else None,
                                     beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,
@@ -124,6 +137,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                     rk=rk, final_indices=final_indices, checkpoint_indices=checkpoint_indices,
                                     checkpoint_every=checkpoint_every, output=fuse)
     if fuse is not None:
+        if scalars:     # (overwritten by o)
+            g_cum = rk = None
         return fuse["o"], ht, dict(g_cum=g_cum, ainv=None if packed else ainv, h=h, v_new=v_new, chunk_index=ci,
                                    rk=rk, rq=rq, w=w if from_ainv else None)
     if not store_ainv:

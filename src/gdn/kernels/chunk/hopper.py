@@ -126,20 +126,42 @@ if G.AVAILABLE:
         tma_load(a_desc, [row, col_a], bar, a_buf, pred=pred)
 
     @gluon.jit
+    def _row_scalar(ptr, tok0, row0, i, nv, head, i_hv, i_v, NHEADS: gl.constexpr, HV: gl.constexpr,
+                    VP: gl.constexpr, VB: gl.constexpr, FIELD: gl.constexpr):
+        """Address of a per-token fp32 scalar (g_cum, r_k, flag) of token ``row0 + i`` of a chunk starting at
+        token row ``row0`` with ``nv`` valid rows (batch row offset ``tok0``): ``ptr[tok, head]`` of its own
+        [B*T, NHEADS] buffer (VP = 0; ``head`` the key or the value head), or (VP > 0; ``ptr`` o's fp32 view) entry
+        e = FIELD nv + i of V tile ``i_v``'s block of the chunk in o's rows: the block's rows (VP fp32 apart per
+        token row and value head) hold VB fp32 each, filled row after row, so a chunk's scalars lie densely in its
+        first rows (3 nv entries in nv rows where VB >= 3: never past the chunk's last valid row) and only that tile's
+        CTA stores o there (:data:`ROW_SCALAR_FIELDS`)."""
+        if VP == 0:
+            p = ptr + (tok0 + row0 + i) * NHEADS + head
+        else:
+            e = FIELD * nv + i
+            p = ptr + ((tok0 + row0 + e // VB).to(gl.int64) * HV + i_hv) * VP + (i_v * VB + e % VB)
+        return p
+
+    @gluon.jit
     def _chunk_gates(gcum, beta, rk_in, row0, to, eos, tok0, i_b, i_h, i_hv, has_chunk, s_bb, s_bt, s_bh,
-                     H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr):
+                     H: gl.constexpr, HV: gl.constexpr, USE_L2: gl.constexpr, i_v=0, VP: gl.constexpr = 0,
+                     VB: gl.constexpr = 0):
         """Per-row inputs of the chunk whose token rows are ``row0 + to`` (to = 0..63): g_cum, beta (fp32), r_k (1
-        without the L2 norm; 0 past the sequence) and g_cum of its last valid row (0 when ``has_chunk`` is false)."""
+        without the L2 norm; 0 past the sequence) and g_cum of its last valid row (0 when ``has_chunk`` is false).
+        VP, VB: g_cum and r_k packed into o's rows (:func:`_row_scalar`)."""
         rows = row0 + to
         m = rows < eos
-        g = gl.load(gcum + (tok0 + rows) * HV + i_hv, mask=m, other=0.0)
+        nv = gl.minimum(eos - row0, 64)
+        g = gl.load(_row_scalar(gcum, tok0, row0, to, nv, i_hv, i_hv, i_v, HV, HV, VP, VB, 0), mask=m, other=0.0)
         b = gl.load(beta + i_b * s_bb + rows * s_bt + i_hv * s_bh, mask=m, other=0.0).to(gl.float32)
         if USE_L2:
-            rk = gl.load(rk_in + (tok0 + rows) * H + i_h, mask=m, other=0.0)
+            rk = gl.load(_row_scalar(rk_in, tok0, row0, to, nv, i_h, i_hv, i_v, H, HV, VP, VB, 1), mask=m,
+                         other=0.0)
         else:
             rk = gl.where(m, 1.0, 0.0)
-        last = gl.minimum(row0 + 64, eos) - 1
-        g_last = gl.load(gcum + (tok0 + last) * HV + i_hv, mask=has_chunk, other=0.0)
+        last = nv - 1
+        g_last = gl.load(_row_scalar(gcum, tok0, row0, last, nv, i_hv, i_hv, i_v, HV, HV, VP, VB, 0),
+                         mask=has_chunk, other=0.0)
         return g, b, rk, g_last
 
     @gluon.jit
@@ -174,14 +196,15 @@ if G.AVAILABLE:
         USE_L2: gl.constexpr, INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
         STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
         HT_INDEXED: gl.constexpr, NS: gl.constexpr, FROM_AINV: gl.constexpr, FUSED: gl.constexpr,
-        TMA_WARP: gl.constexpr, AP: gl.constexpr = 0,
+        TMA_WARP: gl.constexpr, AP: gl.constexpr = 0, VP: gl.constexpr = 0, VB: gl.constexpr = 0,
     ):
         """The sequential chain of one (V tile, value head, segment), 4 warps (module docstring, steps 1-4). FUSED:
         the chunk's start state and v_new are handed to the output partition through the 2-deep rings ``h_s`` /
         ``vn_s`` (``ready`` arrives when a slot is full, ``free`` when the output partition has read it). TMA_WARP:
         the ring is filled by a load warp (:func:`_tma_loader`); the chain releases each stage on ``emp``. AP: the
         columns between two value heads' Ainv tiles in ``a_desc``'s rows (0: the tile width, its own buffer; 128:
-        packed into o's rows, which the segment pass of a segmented register-state run reads)."""
+        packed into o's rows, which the segment pass of a segmented register-state run reads). VP, VB: g_cum and r_k
+        packed into o's rows (:func:`_row_scalar`)."""
         C: gl.constexpr = 64
         NH: gl.constexpr = h_s.type.shape[0]
         i_h = i_hv // (HV // H)
@@ -232,7 +255,11 @@ if G.AVAILABLE:
                                    with_v)
         # per-row gates of the first chunk
         g_n, b_n, rk_n, gl_n = _chunk_gates(gcum, beta, rk_in, bos + c_beg * C, to, eos, tok0, i_b, i_h, i_hv,
-                                            c_beg < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
+                                            c_beg < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2, i_v, VP, VB)
+        if VP > 0:  # (g_cum and r_k in o's rows: two chunks ahead, their latency under a whole step)
+            g_nn, b_nn, rk_nn, gl_nn = _chunk_gates(gcum, beta, rk_in, bos + (c_beg + 1) * C, to, eos, tok0, i_b, i_h,
+                                                    i_hv, c_beg + 1 < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2, i_v, VP,
+                                                    VB)
 
         zero = gl.zeros([C, BV], gl.float32, layout=mma)
         for c in range(c_beg, c_end):
@@ -253,8 +280,14 @@ if G.AVAILABLE:
             b_beta = b_n
             rk = rk_n
             g_last = gl_n
-            g_n, b_n, rk_n, gl_n = _chunk_gates(gcum, beta, rk_in, bos + (c + 1) * C, to, eos, tok0, i_b, i_h, i_hv,
-                                                c + 1 < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2)
+            if VP > 0:
+                g_n, b_n, rk_n, gl_n = g_nn, b_nn, rk_nn, gl_nn
+                g_nn, b_nn, rk_nn, gl_nn = _chunk_gates(gcum, beta, rk_in, bos + (c + 2) * C, to, eos, tok0, i_b, i_h,
+                                                        i_hv, c + 2 < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2, i_v, VP,
+                                                        VB)
+            else:
+                g_n, b_n, rk_n, gl_n = _chunk_gates(gcum, beta, rk_in, bos + (c + 1) * C, to, eos, tok0, i_b, i_h,
+                                                    i_hv, c + 1 < c_end, s_bb, s_bt, s_bh, H, HV, USE_L2, i_v, VP, VB)
 
             # ---- 1. the chunk's start state: bf16 copy in shared memory (operand of k @ h, and h_out[c])
             hs = h_s.index(slot)
@@ -358,7 +391,8 @@ if G.AVAILABLE:
         q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx, gcum, rk_in, scale,
         n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
-        O_INDEXED: gl.constexpr, PK: gl.constexpr, USE_L2: gl.constexpr,
+        O_INDEXED: gl.constexpr, PK: gl.constexpr, USE_L2: gl.constexpr, VP: gl.constexpr = 0,
+        VB: gl.constexpr = 0,
     ):
         """Output partition of the fused kernel (4 warps), chunk by chunk behind the state partition::
 
@@ -370,7 +404,9 @@ if G.AVAILABLE:
         holds k tiles; Q K^T and, with the L2 norm, Q Q^T for r_q issued before the hand-off is waited for (Q Q^T on
         the tensor cores here: r_q by row sums on the CUDA cores, as the prepare kernel takes it, made the V tile 64
         kernel at 64/64 4% slower); r_k and g_cum from the prepare kernel). Rows past the sequence's end are not
-        stored; a sequence whose pool row is invalid (O_INDEXED) gets zeros, as the output kernel writes."""
+        stored; a sequence whose pool row is invalid (O_INDEXED) gets zeros, as the output kernel writes. VP, VB
+        (PK): g_cum and r_k packed into o's rows (:func:`_row_scalar`); a chunk's are read before this partition
+        stores that chunk's o rows, which hold them (the chain reads them before it hands the chunk over)."""
         C: gl.constexpr = 64
         NQ: gl.constexpr = q_s.type.shape[0]
         NH: gl.constexpr = h_s.type.shape[0]
@@ -426,10 +462,15 @@ if G.AVAILABLE:
                 mc = cols < eos
                 rows_p = bos + c * C + trow
                 m_p = rows_p < eos
-                c_r = gl.load(gcum + (tok0 + rows_p) * HV + i_hv, mask=m_p, other=0.0)
-                c_c = gl.load(gcum + (tok0 + cols) * HV + i_hv, mask=mc, other=0.0)
+                r0 = bos + c * C
+                nv = gl.minimum(eos - r0, C)
+                c_r = gl.load(_row_scalar(gcum, tok0, r0, trow, nv, i_hv, i_hv, i_v, HV, HV, VP, VB, 0), mask=m_p,
+                              other=0.0)
+                c_c = gl.load(_row_scalar(gcum, tok0, r0, tcol, nv, i_hv, i_hv, i_v, HV, HV, VP, VB, 0), mask=mc,
+                              other=0.0)
                 if USE_L2:
-                    rk_c = gl.load(rk_in + (tok0 + cols) * H + i_h, mask=mc, other=0.0)
+                    rk_c = gl.load(_row_scalar(rk_in, tok0, r0, tcol, nv, i_h, i_hv, i_v, H, HV, VP, VB, 1), mask=mc,
+                                   other=0.0)
                 mbarrier.wait(qbars.index(s), (it // NQ) & 1)
                 if bos + c * C + C > eos:
                     # a sequence's partial last chunk: the next sequence's keys out of Q K^T, whose columns past the
@@ -521,14 +562,16 @@ if G.AVAILABLE:
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_H: gl.constexpr, STORE_VNEW: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
         NS: gl.constexpr, OUT_REGS: gl.constexpr, LREGS: gl.constexpr, TMA_WARP: gl.constexpr,
-        num_warps: gl.constexpr, PK: gl.constexpr = False, PDL: gl.constexpr = False,
+        num_warps: gl.constexpr, PK: gl.constexpr = False, PDL: gl.constexpr = False, VP: gl.constexpr = 0,
+        VB: gl.constexpr = 0,
     ):
         """State pass and output in one kernel: per (V tile, value head, segment) a state partition (the default 4
         warps, :func:`_state_steps`) and an output partition (4 more warps, :func:`_output_steps`) that computes the
         output of chunk c while the state partition runs chunk c + 1. STORE_H / STORE_VNEW: the chain also stores
         h per chunk (TMA, from its hand-off slot) and v_new, as the state pass does (else neither is in memory).
         PK: the output partition forms P and qf itself from q, k (``p_desc`` is k's descriptor), g_cum, r_k and
-        ``scale`` (``qf`` unused)."""
+        ``scale`` (``qf`` unused). VP, VB (PK): g_cum and r_k are one pointer, o's fp32 view, where the prepare kernel
+        packed them into o's rows, a copy per V tile (:func:`_row_scalar`)."""
         C: gl.constexpr = 64
         NH: gl.constexpr = 2                # hand-off slots: the chain runs at most one chunk ahead of the output
         pdl_enter(PDL)
@@ -577,10 +620,10 @@ if G.AVAILABLE:
                                 n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
                                 s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                                 H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW,
-                                STORE_FINAL, HT_BY_SEG, HT_INDEXED, NS, True, True, True)),
+                                STORE_FINAL, HT_BY_SEG, HT_INDEXED, NS, True, True, True, 0, VP, VB)),
                 (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx, gcum,
                                  rk_in, scale, n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV,
-                                 O_INDEXED, PK, USE_L2)),
+                                 O_INDEXED, PK, USE_L2, VP, VB)),
                 (_tma_loader, (k_desc, v_desc, a_desc, k_s, v_s, a_s, bars, emp, i_v, i_hv, i_b, bos, c_beg, c_end,
                                T, H, HV, K, V, BV, NS)),
             ], [4, 1], [OUT_REGS, LREGS])
@@ -591,10 +634,10 @@ if G.AVAILABLE:
                                 n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, choff, T, P0, P1,
                                 s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                                 H, HV, K, V, BV, USE_L2, INIT, H0_BY_SEG, H0_INDEXED, STORE_H, STORE_VNEW,
-                                STORE_FINAL, HT_BY_SEG, HT_INDEXED, NS, True, True, False)),
+                                STORE_FINAL, HT_BY_SEG, HT_INDEXED, NS, True, True, False, 0, VP, VB)),
                 (_output_steps, (q_desc, p_desc, q_s, p_s, qbars, h_s, vn_s, ready, free, qf, o, o_idx, gcum,
                                  rk_in, scale, n, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, PO, H, HV, K, V, BV,
-                                 O_INDEXED, PK, USE_L2)),
+                                 O_INDEXED, PK, USE_L2, VP, VB)),
             ], [4], [OUT_REGS])
 
 
@@ -1049,10 +1092,28 @@ def fused_supported(q: torch.Tensor, k: torch.Tensor, BV: int) -> bool:
     return G.AVAILABLE and q.dtype == k.dtype and q.shape == k.shape and BV in (16, 32, 64) and _rows2d_ok(q)
 
 
+# the per-token fp32 scalars of an inference forward that the prepare kernel can pack into o's rows (a copy per V tile
+# of the fused kernel that forms P itself, in this field order), so that the call holds none beside o and Ainv
+ROW_SCALAR_FIELDS = ("g_cum", "r_k", "overflow flag")
+
+
+def row_scalar_pack(o: torch.Tensor, BV: int):
+    """(o's fp32 view, VP, VB) where the V tile ``BV`` fused kernel's output o [B, T, HV, V] (contiguous, 16-bit) can
+    hold the per-token scalars :data:`ROW_SCALAR_FIELDS`: for V tile j of a chunk of nv valid token rows, field f of
+    its token i is entry e = f nv + i of the tile's block, at fp32 element (t HV + h) VP + j VB + e mod VB of the
+    view with t the chunk's token row e div VB and h the value head (VP = V / 2, VB = BV / 2: the block lies in the o
+    columns that only that tile's CTA writes, which reads it before it writes them). None where o cannot."""
+    V = o.shape[-1]
+    if o.dim() != 4 or o.element_size() != 2 or not o.is_contiguous() or V % BV or BV // 2 < len(ROW_SCALAR_FIELDS) \
+            or o.data_ptr() % 4:
+        return None
+    return o.view(-1).view(torch.float32), V // 2, BV // 2
+
+
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
                       cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
                       H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, h_out=None, vnew=None, chunk_offsets=None,
-                      transposed=False, load_warp=False, scale=1.0, pdl=False):
+                      transposed=False, load_warp=False, scale=1.0, pdl=False, row_scalars=None):
     """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
     (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs; both None at V
     tile 32 / 64: the kernel forms them from q, k, g_cum, rk and ``scale``) and the final state;
@@ -1063,7 +1124,9 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     o's own [B, T, HV, 128] rows (views at head pitch 128, written by the prepare kernel: a call's peak then holds
     no Ainv / P beside o), and with ``p`` None it forms P and qf itself (its P partition, PA; Ainv alone may then be
     the first half of o's rows). ``load_warp``: the V tile 32 / 64 kernel's ring
-    filled by a load warp (``_tma_loader``) instead of its chain partition. ``pdl`` as :func:`launch_state_pass`'s."""
+    filled by a load warp (``_tma_loader``) instead of its chain partition. ``pdl`` as :func:`launch_state_pass`'s.
+    ``row_scalars``: (VP, VB) of :func:`row_scalar_pack` where g_cum and rk are o's fp32 view holding them (the V
+    tile 32 / 64 kernel forming P itself, no h / v_new)."""
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
@@ -1096,6 +1159,9 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
                if p is None else dict(WREGS=T_CHAIN_REGS, LREGS=T_LOADER_REGS)),
             **pdl_args(pdl, k.device))
         return
+    if row_scalars is not None and (transposed or p is not None or h_out is not None or vnew is not None):
+        raise ValueError("launch_fused_pass: row scalars packed into o need the V tile 32 / 64 kernel forming P "
+                         "itself, without h / v_new")
     # no h store: a descriptor is still an argument (never stored through)
     h_desc = _desc(h_out.view(-1, V), (K, BV), dn) if h_out is not None else q_desc
     launch(_chunk_fused_sm90_kernel, grid,
@@ -1108,4 +1174,4 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
         H0_INDEXED=H0_INDEXED, STORE_H=h_out is not None, STORE_VNEW=vnew is not None, STORE_FINAL=ht is not None,
         HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED, O_INDEXED=o_idx is not None, NS=stages,
         OUT_REGS=OUTPUT_PARTITION_REGS, LREGS=T_LOADER_REGS, TMA_WARP=bool(load_warp), num_warps=4, PK=p is None,
-        **pdl_args(pdl, k.device))
+        **(dict(VP=row_scalars[0], VB=row_scalars[1]) if row_scalars is not None else {}), **pdl_args(pdl, k.device))

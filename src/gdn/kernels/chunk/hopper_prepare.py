@@ -42,8 +42,9 @@ from ..tuning import capability
 from .hopper import CHUNK, _GL_DT, _desc, _pitched_rows2d, _rows2d, _rows2d_ok, pitched_rows_ok
 
 if G.AVAILABLE:
-    from .hopper import _decay_tile, _gram_rnorm, _seq_span, _tile_rnorm, _zero_rows_past, cta_barrier, \
-        fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store, warpgroup_mma, warpgroup_mma_wait
+    from .hopper import _decay_tile, _gram_rnorm, _row_scalar, _seq_span, _tile_rnorm, _zero_rows_past, \
+        cta_barrier, fence_async_shared, gl, gluon, mbarrier, tma, tma_load, tma_store, warpgroup_mma, \
+        warpgroup_mma_wait
 
     _PUBLIC_REINTERPRET: gl.constexpr = gl.constexpr(G.PUBLIC_REINTERPRET)
 
@@ -55,6 +56,17 @@ if G.AVAILABLE:
         else:
             t = buf._reinterpret(dtype, [C, C], layout)
         return t
+
+    @gluon.jit
+    def _store_row_scalar(ptr, x, tok0, t0, i, nv, head, i_hv, mask, NHEADS: gl.constexpr, HV: gl.constexpr,
+                          VP: gl.constexpr, VB: gl.constexpr, NCOPY: gl.constexpr, FIELD: gl.constexpr):
+        """x [64] (a value per token row ``t0 + i`` of the chunk, ``nv`` valid) into its own [B*T, NHEADS] buffer
+        (VP = 0), or as field FIELD into each of the NCOPY V tiles' blocks in o's rows (``hopper._row_scalar``)."""
+        if VP == 0:
+            gl.store(_row_scalar(ptr, tok0, t0, i, nv, head, i_hv, 0, NHEADS, HV, VP, VB, FIELD), x, mask=mask)
+        else:
+            for j in gl.static_range(NCOPY):
+                gl.store(_row_scalar(ptr, tok0, t0, i, nv, head, i_hv, j, NHEADS, HV, VP, VB, FIELD), x, mask=mask)
 
     @gluon.jit
     def _store_tile(ptr, x, row_off, nv, C: gl.constexpr, num_warps: gl.constexpr, D: gl.constexpr = 64):
@@ -251,6 +263,7 @@ if G.AVAILABLE:
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
         STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, STORE_W: gl.constexpr,
         num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False, PDL: gl.constexpr = False, AP: gl.constexpr = 64,
+        VP: gl.constexpr = 0, VB: gl.constexpr = 0, NCOPY: gl.constexpr = 1,
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
@@ -260,7 +273,10 @@ if G.AVAILABLE:
         reverse pass's W_AINV form computes it).
         SOLVE_F16: ``flags`` int8 [NT * HV, 64] <- per row of the item's Ainv, 1 where its fp16 products overflowed
         (the item's Ainv / W are then redone by ``prepare._prepare_redo_kernel``), else 0. AP: elements between two
-        value heads' Ainv (and P) rows of one token (64: their own buffers; 128: packed into o's rows)."""
+        value heads' Ainv (and P) rows of one token (64: their own buffers; 128: packed into o's rows).
+        VP, VB, NCOPY (without P: an inference forward whose fused kernel forms P): g_cum, r_k and the flags are one
+        pointer, o's fp32 view, and go into its rows (``hopper.row_scalar_pack``): g_cum and r_k (per value head)
+        into every V tile's block, the flags (fp32 0 / 1) into the first tile's."""
         C: gl.constexpr = 64
         pdl_enter(PDL)
         pid = gl.program_id(0)
@@ -306,6 +322,7 @@ if G.AVAILABLE:
         tc = gl.arange(0, C, layout=cl)
         m_r = tr < nv
         tok_r = (tok0 + t0 + tr).to(gl.int64)
+        tr64 = tr.to(gl.int64)
         causal = tc[None, :] <= tr[:, None]
 
         # ---- gates (while the tiles land): c = chunk-local cumsum of g, beta
@@ -316,7 +333,7 @@ if G.AVAILABLE:
         g_s = gl.load(g + i_b * s_gb + i_hv * s_gh + (t0 + ts) * s_gt, mask=ts < nv, other=0.0).to(gl.float32)
         b_r = gl.load(beta + i_b * s_bb + i_hv * s_bh + (t0 + tr) * s_bt, mask=m_r, other=0.0).to(gl.float32)
         c_r = gl.convert_layout(gl.associative_scan(g_s, 0, _add), rl)
-        gl.store(gcum + tok_r * HV + i_hv, c_r, mask=m_r)
+        _store_row_scalar(gcum, c_r, tok0, t0, tr64, nv, i_hv, i_hv, m_r, HV, HV, VP, VB, NCOPY, 0)
 
         # ---- K K^T and Q K^T issued first; r_q (q's row norms on the CUDA cores, from q's tile) while they run; r_k
         # from K K^T's diagonal and the gates' factors while Q K^T runs
@@ -349,7 +366,10 @@ if G.AVAILABLE:
             rk_r = gl.full([C], 1.0, gl.float32, layout=rl)
             rk_c = gl.full([C], 1.0, gl.float32, layout=cl)
         if STORE_RK:
-            gl.store(rk_out + tok_r * H + i_h, rk_r, mask=m_r & first)
+            if VP == 0:
+                gl.store(rk_out + tok_r * H + i_h, rk_r, mask=m_r & first)
+            else:   # per value head: each V tile CTA of the fused kernel reads its own copy
+                _store_row_scalar(rk_out, rk_r, tok0, t0, tr64, nv, i_h, i_hv, m_r, H, HV, VP, VB, NCOPY, 1)
         # gam = Gamma diag(r_k): one exp2 per element, 0 above the diagonal; shared by A and P
         if USE_L2:   # c and r_k row -> column together: one conversion of the packed [C, 2] pair (2 barriers fewer)
             pair_l: gl.constexpr = gl.join(tc.to(gl.float32), tc.to(gl.float32)).type.layout   # [C, 2] over cl
@@ -410,7 +430,11 @@ if G.AVAILABLE:
             # (the row max of |Ainv| with NaN kept, then one compare: a compare and a select per element cost ~130
             # instructions more per item)
             big = gl.reduce(gl.abs(ai), 1, _max_keep_nan)
-            gl.store(flags + pid * C + tr, gl.where(big < 1.0e30, 0, 1).to(gl.int8))
+            fl = gl.where(big < 1.0e30, 0, 1).to(flags.dtype.element_ty)
+            if VP == 0:
+                gl.store(flags + pid * C + tr, fl)
+            else:
+                gl.store(_row_scalar(flags, tok0, t0, tr64, nv, i_hv, i_hv, 0, HV, HV, VP, VB, 2), fl, mask=m_r)
         ai = ai.to(dt)
         # Ainv's staging tile in the fp16 products' bytes (dead after the solve) where they exist
         a_lay: gl.constexpr = a_desc.layout
@@ -458,7 +482,7 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
 
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
                    H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None, solve_f16=False, flags=None, pdl=False,
-                   rq_of=None):
+                   rq_of=None, row_scalars=None):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
     P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with the L2 norm, from ``q``, or
     without P from ``rq_of``, the q whose tiles are then loaded for it alone; the caller passes it only then);
@@ -466,8 +490,13 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
     writes the overflow flags ``flags`` (int8 [NT * HV, 64], one per row; the caller redoes the flagged items).
     ``pdl``: programmatic dependent launch (:func:`gdn.kernels.launch.pdl_args`). Unused tensors may be None.
     Ainv and P [B, T, HV, 64]: contiguous, or views at one head pitch (``hopper.pitched_rows_ok``: the two halves of
-    o's rows, which the register-state kernel reads them from)."""
-    if solve_f16 and (flags is None or flags.numel() < NT * HV * CHUNK):
+    o's rows, which the register-state kernel reads them from). ``row_scalars``: (VP, VB, NCOPY) where g_cum, rk
+    and flags are all o's fp32 view (``hopper.row_scalar_pack``), the kernel packing them into o's rows."""
+    if row_scalars is not None and (any(x is not None and x is not g_cum for x in (rk, flags))
+                                    or q is not None or rq is not None or w is not None):
+        raise ValueError("launch_prepare: row scalars packed into o: g_cum, rk and flags are o's fp32 view; no P, no "
+                         "r_q, no W")
+    if solve_f16 and row_scalars is None and (flags is None or flags.numel() < NT * HV * CHUNK):
         raise ValueError("launch_prepare: the fp16 solve needs flags, int8 [NT * HV, 64]")
     ap = ainv.stride(2)
     if not pitched_rows_ok(ainv) or (p is not None and (p.stride(2) != ap or not pitched_rows_ok(p))):
@@ -486,7 +515,8 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
         cu_seqlens if cu_seqlens is not None else chunk_indices, T, float(scale), *s_g, *s_beta,
         H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
         STORE_P=q is not None, STORE_RQ=rq is not None, STORE_W=w is not None, num_warps=4, SOLVE_F16=bool(solve_f16),
-        **({"AP": ap} if ap != CHUNK else {}), **({"maxnreg": maxnreg} if maxnreg else {}), **pdl_args(pdl, k.device))
+        **({"AP": ap} if ap != CHUNK else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
+        **(dict(zip(("VP", "VB", "NCOPY"), row_scalars)) if row_scalars is not None else {}), **pdl_args(pdl, k.device))
 
 
 __all__ = ["supported", "launch_prepare"]

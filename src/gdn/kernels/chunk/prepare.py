@@ -100,30 +100,53 @@ def _prepare_redo_kernel(
     flags, n_items, k, beta, gcum, ainv, w, chunk_indices, cu_seqlens, T, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_L2: tl.constexpr,
     IS_VARLEN: tl.constexpr, STORE_W: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-    AP: tl.constexpr = 64,
+    AP: tl.constexpr = 64, VP: tl.constexpr = 0, VB: tl.constexpr = 0,
 ):
     """Ainv (and with STORE_W, W) of the (chunk, value head) items with a row flag set in ``flags`` (int8
     [n_items, 64], item = chunk * HV + value head), from the stored g_cum, with the tf32 solve: the sm_90 prepare's
     fp16 products overflowed there (raw keys of large norm; adversarial inputs only). One program per BLOCK items:
-    one vector load of their flags, nothing more where none is set. AP: Ainv's head pitch (``_prepare_item``)."""
+    one vector load of their flags, nothing more where none is set. AP: Ainv's head pitch (``_prepare_item``).
+    VP, VB (> 0): g_cum and the flags (fp32, nonzero = set) packed into o's rows, the first V tile's block of each
+    chunk (``hopper.row_scalar_pack``; ``gcum`` = ``flags`` = o's fp32 view; field 0 g_cum, 2 the flags)."""
     pdl_enter(PDL)
+    GP: tl.constexpr = 1 if VP == 0 else VP     # g_cum's pitch per (token, value head)
     base = tl.program_id(0) * BLOCK
     offs = base + tl.arange(0, BLOCK)
     r64 = tl.arange(0, 64)
-    f = tl.load(flags + offs[:, None] * 64 + r64[None, :], mask=(offs < n_items)[:, None], other=0)
-    if tl.max(tl.max(f.to(tl.int32), axis=1), axis=0) > 0:
+    ok = offs < n_items
+    if VP == 0:
+        f = tl.load(flags + offs[:, None] * 64 + r64[None, :], mask=ok[:, None], other=0).to(tl.int32)
+    else:
+        i_t = offs // HV
+        n = tl.load(chunk_indices + 2 * i_t, mask=ok, other=0)
+        c = tl.load(chunk_indices + 2 * i_t + 1, mask=ok, other=0).to(tl.int64)
+        if IS_VARLEN:
+            bos = tl.load(cu_seqlens + n, mask=ok, other=0).to(tl.int64)
+            eos = tl.load(cu_seqlens + n + 1, mask=ok, other=0).to(tl.int64)
+            tok0 = bos * 0
+        else:
+            bos = n.to(tl.int64) * 0
+            eos = bos + T
+            tok0 = n.to(tl.int64) * T
+        t0 = bos + c * 64
+        e = 2 * tl.minimum(eos - t0, 64)[:, None] + r64[None, :]      # field 2 of the chunk's nv valid rows
+        fp = flags + ((tok0 + t0)[:, None] + e // VB) * (HV * VP) + (offs % HV)[:, None] * VP + e % VB
+        f = (tl.load(fp, mask=ok[:, None] & (t0[:, None] + r64[None, :] < eos[:, None]), other=0.0) != 0).to(tl.int32)
+    f = tl.max(f, axis=1)       # per item
+    if tl.max(f, axis=0) > 0:
         for j in range(BLOCK):
             item = base + j
             if item < n_items:
-                if tl.max(tl.load(flags + item * 64 + r64).to(tl.int32), axis=0) != 0:
-                    # g_cum read back as a cumulative g ([B, T, HV] contiguous); only Ainv (and W) stored; the
-                    # inputs no mode here reads (v, u, q, P, qf, r_k / r_q) get placeholders
+                if tl.sum(tl.where(tl.arange(0, BLOCK) == j, f, 0), axis=0) != 0:
+                    # g_cum read back as a cumulative g ([B, T, HV], or packed at pitch VP); only Ainv (and W)
+                    # stored; the inputs no mode here reads (v, u, q, P, qf, r_k / r_q) get placeholders
                     _prepare_item(item, k, k, gcum, beta, gcum, ainv, w, w, gcum, gcum, k, ainv, gcum, chunk_indices,
-                                  cu_seqlens, T, 1.0, s_kb, s_kt, s_kh, 0, 0, 0, T * HV, HV, 1, s_bb, s_bt, s_bh,
+                                  cu_seqlens, T, 1.0, s_kb, s_kt, s_kh, 0, 0, 0, T * HV * GP, HV * GP, GP,
+                                  s_bb, s_bt, s_bh,
                                   s_kb, s_kt, s_kh, H=H, HV=HV, K=K, V=K, BK=BK, BV=BK, USE_L2=USE_L2,
                                   IS_VARLEN=IS_VARLEN, G_IS_CUM=True, STORE_G=False, STORE_A=True, LOAD_A=False,
                                   STORE_W=STORE_W, STORE_U=False, STORE_RK=False, STORE_P=False, DT=DT, PREC="tf32",
-                                  SOLVE_PREC="tf32", STORE_RQ=False, AP=AP)
+                                  SOLVE_PREC="tf32", STORE_RQ=False, AP=AP, G_VB=VB)
 
 
 @triton.jit
@@ -134,7 +157,7 @@ def _prepare_item(
     USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, G_IS_CUM: tl.constexpr, STORE_G: tl.constexpr,
     STORE_A: tl.constexpr, LOAD_A: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
     STORE_RK: tl.constexpr, STORE_P: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    STORE_RQ: tl.constexpr, AP: tl.constexpr = 64,
+    STORE_RQ: tl.constexpr, AP: tl.constexpr = 64, G_VB: tl.constexpr = 0,
 ):
     """Item ``pid`` = chunk * HV + value head: g_cum (chunk-local cumsum), A = strictLower(diag(beta r_k) (Gamma * K K^T)
     diag(r_k)) with r_k the L2 row scalings, Ainv = (I + A)^-1 (stored as [64, 64] rows of the [B, T, HV, 64] buffer),
@@ -144,7 +167,8 @@ def _prepare_item(
     rounds it) and the row factors of its inter-chunk part, qf = scale r_q exp(g_cum) ([B, T, HV] fp32); with
     STORE_RQ (and the L2 norm) also r_q per key head ([B, T, H] fp32, as r_k), which the backward then reads instead
     of computing it again. AP: elements between two value heads' Ainv rows of one token (64 but for the redo of
-    an Ainv packed into o's rows, 128)."""
+    an Ainv packed into o's rows, 128). G_VB (> 0, with G_IS_CUM): g_cum packed into o's rows, G_VB entries per
+    token row (``hopper.row_scalar_pack``; s_gt / s_gh its token / head pitch)."""
     # one flat grid, value heads fastest: the HV // H programs sharing a key head's k (and q) tiles run side by side
     # and read them once from memory (grid order (NT, HV) was 4-5% slower on the H200)
     i_t = pid // HV
@@ -161,7 +185,10 @@ def _prepare_item(
     trow = (tok0 + rows) * HV + i_hv
 
     # ---- gates: chunk-local cumulative sum (fp32) and beta
-    b_g = tl.load(g + i_b * s_gb + i_hv * s_gh + rows * s_gt, mask=m, other=0.0).to(tl.float32)
+    if G_VB == 0:
+        b_g = tl.load(g + i_b * s_gb + i_hv * s_gh + rows * s_gt, mask=m, other=0.0).to(tl.float32)
+    else:   # (g_cum packed densely into o's rows, G_VB fp32 per row: hopper.row_scalar_pack)
+        b_g = tl.load(g + i_b * s_gb + i_hv * s_gh + (t0 + to // G_VB) * s_gt + to % G_VB, mask=m, other=0.0)
     if not G_IS_CUM:
         b_g = tl.cumsum(b_g, axis=0)
     if STORE_G:
@@ -288,7 +315,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
                       rk: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None, scale: float = 1.0,
                       rq: Optional[torch.Tensor] = None, keep_w: bool = False,
                       ainv_out: Optional[torch.Tensor] = None, p_out: Optional[torch.Tensor] = None,
-                      rq_of: Optional[torch.Tensor] = None):
+                      rq_of: Optional[torch.Tensor] = None, row_scalars: Optional[tuple] = None):
     """Fused cumsum + K K^T + triangular solve + W/U.
 
     k [B, T, H, K], v [B, T, HV, V] (strided, last dim contiguous), g, beta [B, T, HV] (any float dtype; g log-space,
@@ -307,6 +334,9 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     views at one head pitch, e.g. the two halves of o's rows; only where :func:`sm90_prepare_taken` says so).
     ``rq_of`` (q [B, T, H, K], without ``q``; with ``rq`` and the L2 norm): q's L2 row scalings into ``rq`` without P
     (the sm_90 prepare loads q's tiles for them; elsewhere :func:`gdn.kernels.common.l2_rnorm`).
+    ``row_scalars`` (the sm_90 launch only, no P / W / U / r_q): (o's fp32 view, VP, VB, copies) of
+    ``hopper.row_scalar_pack``: g_cum, r_k and the overflow flags go into o's rows instead of buffers of their own
+    (``rk`` must then be that view or None); the g_cum returned is that view.
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
@@ -316,11 +346,17 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     ci = get_chunk_index(cu_seqlens, T, B, chunk_size, chunk_index, dev)
     dt = _dot_dtype(k, v)
     out_dtype = out_dtype or dt
-    g_cum = g if (g_is_cumsum and g.dtype == torch.float32 and g.is_contiguous()) else \
-        _empty(B, T, HV, device=dev, dtype=torch.float32)
-    store_g = g_cum is not g
     sm90 = sm90_prepare_taken(k, q, dt, store_ainv=store_ainv, store_wu=store_wu, g_is_cumsum=g_is_cumsum,
                               ainv_dtype=ainv_dtype)
+    packed_rs = row_scalars[0] if row_scalars is not None else None
+    if row_scalars is not None and (not sm90 or keep_w or q is not None or rq is not None or rq_of is not None
+                                    or (rk is not None and rk is not packed_rs)):
+        raise ValueError("chunk_fwd_prepare: row_scalars are for the sm_90 prepare without P / W / r_q, with rk None "
+                         "or the packed view")
+    g_cum = packed_rs if packed_rs is not None else \
+        g if (g_is_cumsum and g.dtype == torch.float32 and g.is_contiguous()) else \
+        _empty(B, T, HV, device=dev, dtype=torch.float32)
+    store_g = g_cum is not g
     if (ainv_out is not None or p_out is not None) and (not sm90 or ainv_out is None or (p_out is None) != (q is None)):
         raise ValueError("chunk_fwd_prepare: ainv_out / p_out are for the sm_90 prepare's Ainv and (with q) P")
     ainv = ainv_out if ainv_out is not None else (
@@ -343,17 +379,18 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     if sm90:
         w = _empty(B, T, HV, K, device=dev, dtype=dt) if keep_w else None
         f16 = bool(cfg.solve_sm90_f16)
-        flags = torch.empty(ci.NT * HV, CHUNK_SIZE, device=dev, dtype=torch.int8) if f16 else None
+        flags = (packed_rs if packed_rs is not None else
+                 torch.empty(ci.NT * HV, CHUNK_SIZE, device=dev, dtype=torch.int8)) if f16 else None
         hopper_prepare.launch_prepare(
             k, q, g, beta, g_cum, ainv, rk if store_rk else None, p, qf, ci.chunk_indices,
             cu_seqlens, ci.NT, T, scale, _strides3(g), _strides3(beta), H=H, HV=HV, K=K,
             use_l2=bool(use_qk_l2norm_in_kernel), is_varlen=ci.is_varlen,
             maxnreg=_sm90_prepare_cap(cfg, q is not None, keep_w, HV > H),
             rq=rq if (store_rq or rq_alone) else None, w=w, solve_f16=f16, flags=flags, pdl=cfg.pdl,
-            rq_of=rq_of if rq_alone else None)
+            rq_of=rq_of if rq_alone else None, row_scalars=row_scalars[1:] if row_scalars is not None else None)
         if f16:
             redo_overflowed(flags, k, beta, g_cum, ainv, w, ci, cu_seqlens, T, use_qk_l2norm_in_kernel,
-                            pdl=cfg.pdl)
+                            pdl=cfg.pdl, packed_pitch=row_scalars[1:3] if row_scalars is not None else None)
         return (g_cum, ainv, w, u) + extra
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
@@ -379,26 +416,30 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
 
 def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor,
                     ainv: torch.Tensor, w: Optional[torch.Tensor], ci: ChunkIndex, cu_seqlens, T: int,
-                    use_qk_l2norm_in_kernel: bool, pdl: bool = False) -> None:
+                    use_qk_l2norm_in_kernel: bool, pdl: bool = False, packed_pitch: Optional[tuple] = None) -> None:
     """Ainv (and W when given) of the items flagged in ``flags`` (int8 [NT * HV, 64], a flag per row; item =
     chunk * HV + value head) recomputed in place with the tf32 solve from k, beta and the stored g_cum
     (:func:`_prepare_redo_kernel`): the sm_90 prepare's fp16 products overflowed there. One program per
     ``chunk_fwd.redo_block`` items; ``pdl``: programmatic dependent launch (:func:`.launch.pdl_args`). Ainv
     [B, T, HV, 64]: contiguous or at a head pitch of its own (packed into o's rows: ``chunk_fwd_prepare``'s
-    ``ainv_out``)."""
+    ``ainv_out``). ``packed_pitch``: (VP, VB) where ``flags`` and ``g_cum`` are o's fp32 view holding them in its
+    rows (``hopper.row_scalar_pack``)."""
     H, K = k.shape[2], k.shape[3]
     HV = beta.shape[2]
     ap = ainv.stride(2)
     if not pitched_layout_ok(ainv):
         raise ValueError("redo_overflowed: ainv must be token rows at one head pitch")
     n = ci.NT * HV
-    block = int(tuning.chunk_fwd(k.device).redo_block)
+    cfg = tuning.chunk_fwd(k.device)
+    block = int(cfg.redo_block_row_scalars if packed_pitch else cfg.redo_block)
     _launch(_prepare_redo_kernel, (cdiv(n, block),),
             flags, n, k, beta, g_cum, ainv, w if w is not None else ainv, ci.chunk_indices,
             _cu_arg(cu_seqlens, ci.chunk_offsets), T, *_strides3(k), *_strides3(beta),
             H=H, HV=HV, K=K, BK=min(64, _pow2(K)), USE_L2=bool(use_qk_l2norm_in_kernel), IS_VARLEN=ci.is_varlen,
             STORE_W=w is not None, DT=_TL[_dot_dtype(k, k)], BLOCK=block, num_warps=4, num_stages=1,
-            **({"AP": ap} if ap != CHUNK_SIZE else {}), **pdl_args(pdl, k.device))
+            **({"AP": ap} if ap != CHUNK_SIZE else {}),
+            **(dict(VP=int(packed_pitch[0]), VB=int(packed_pitch[1])) if packed_pitch else {}),
+            **pdl_args(pdl, k.device))
 
 
 def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = CHUNK_SIZE, cu_seqlens: Optional[torch.Tensor] = None,

@@ -417,6 +417,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     Hopper kernel (``hopper._chunk_fused_sm90_kernel``; BV and plan from :func:`fused_output_plan`): o [B, T, HV, V]
     (contiguous) is written from P / qf of the prepare kernel, and h / v_new are None (never in memory) unless
     ``output["states"]`` (then the fused kernel stores them too; h in the tensor-core dtype).
+    ``output["row_scalars"]``: (VP, VB) where g_cum, rk and qf are o's fp32 view holding them in o's rows
+    (``hopper.row_scalar_pack``).
     v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
     ``buffers``: (h, v_new) tensors of those shapes and dtypes to write instead of new ones (the backward allocates
     them on the stream that consumes them before running this pass on a side stream).
@@ -508,7 +510,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
                 BV=bv_fused, stages=cfg.state_sm90_stages, h_out=h_out, vnew=vn_out, chunk_offsets=ci.chunk_offsets,
                 transposed=bv_fused == 128, load_warp=bv_fused <= int(cfg.state_sm90_load_warp_bv),
-                scale=output.get("scale", 1.0), pdl=cfg.pdl)
+                scale=output.get("scale", 1.0), pdl=cfg.pdl, row_scalars=output.get("row_scalars"))
             return
         bv9 = sm90_tile(S * HV) if (not fused and n_extra == 0 and Vd == V) else 0
         if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,
