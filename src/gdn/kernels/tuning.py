@@ -53,8 +53,8 @@ class ChunkForward:
     # ... that launch's programs: one per redo_block items (one vector load of their 64 row flags each where none
     # is set)
     redo_block: int = 128
-    # ... where the flags are in o's rows (state_sm90_row_scalars_in_o): a chunk's in 64-byte runs far apart, so
-    # more programs, fewer items each
+    # ... where the flags are in o's rows (state_sm90_row_scalars_in_o): a chunk's in runs far apart in DRAM, so
+    # more programs, fewer items each (H200 redo at 16/64 1x8192: 8.0 us at 128 items, 4.7 at 16)
     redo_block_row_scalars: int = 16
     # precision of the 64x64 products of the triangular solve ("auto": tf32 for a half-precision Ainv from half
     # inputs, else tf32x3; or "ieee", "tf32x3", "tf32", "bf16")
