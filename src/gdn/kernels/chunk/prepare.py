@@ -141,8 +141,8 @@ def _prepare_redo_kernel(
                     # g_cum read back as a cumulative g ([B, T, HV], or packed at pitch VP); only Ainv (and W)
                     # stored; the inputs no mode here reads (v, u, q, P, qf, r_k / r_q) get placeholders
                     _prepare_item(item, k, k, gcum, beta, gcum, ainv, w, w, gcum, gcum, k, ainv, gcum, chunk_indices,
-                                  cu_seqlens, T, 1.0, s_kb, s_kt, s_kh, 0, 0, 0, T * HV * GP, HV * GP, GP,
-                                  s_bb, s_bt, s_bh,
+                                  cu_seqlens, T, 1.0, s_kb, s_kt, s_kh, 0, 0, 0, T.to(tl.int64) * (HV * GP),
+                                  HV * GP, GP, s_bb, s_bt, s_bh,
                                   s_kb, s_kt, s_kh, H=H, HV=HV, K=K, V=K, BK=BK, BV=BK, USE_L2=USE_L2,
                                   IS_VARLEN=IS_VARLEN, G_IS_CUM=True, STORE_G=False, STORE_A=True, LOAD_A=False,
                                   STORE_W=STORE_W, STORE_U=False, STORE_RK=False, STORE_P=False, DT=DT, PREC="tf32",
