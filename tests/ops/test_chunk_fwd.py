@@ -981,6 +981,39 @@ def test_prepare_redo_overflowed(with_w, packed, scalars):
                     assert torch.isnan(w_out[0, a:b, hv]).all()
 
 
+def test_prepare_redo_packed_flags_batched():
+    """redo_overflowed with the flags and g_cum in o's rows (``hopper.row_scalar_pack``, V tile 16) on a batched
+    (not varlen) input of two rows of 130 tokens: the same items redone, to the same Ainv, as from the flag buffer
+    (items in the second batch row included; the other items keep their NaN poison)."""
+    from gdn.kernels.chunk import hopper, prepare
+    from gdn.kernels.chunk.plan import get_chunk_index
+
+    B, T, H, HV, K = 2, 130, 1, 2, 32
+    x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
+    ci = get_chunk_index(None, T, B, 64, None, x.k.device)
+    g_cum, ainv, _, _ = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, None, 64, True, store_wu=False,
+                                                  ainv_dtype=torch.bfloat16)
+    items = [(n, 64 * c, min(64 * c + 64, T), hv) for n, c in ci.chunk_indices.view(-1, 2).tolist()
+             for hv in range(HV)]
+    flags = torch.zeros(len(items), 64, dtype=torch.int8)
+    redo = (1, len(items) - 3, len(items) - 1)          # the second row's items among them (the last: 2 rows)
+    for i in redo:
+        flags[i, torch.randint(0, items[i][2] - items[i][1], ()).item()] = 1
+    o = torch.randn(B, T, HV, 64).to(ainv.dtype)
+    view, vp, vb = hopper.row_scalar_pack(o, 16)
+    rs = view.view(B, T, HV, vp)
+    for i, (n, a, b, hv) in enumerate(items):      # field f of token t: entry f nv + t of the chunk's block
+        nv = b - a
+        for f, vals in ((0, g_cum[n, a:b, hv]), (2, flags[i, :nv].float())):
+            e = f * nv + torch.arange(nv)
+            rs[n, a + e // vb, hv, e % vb] = vals
+    want, got = torch.full_like(ainv, float("nan")), torch.full_like(ainv, float("nan"))
+    prepare.redo_overflowed(flags, x.k, x.beta, g_cum, want, None, ci, None, T, True)
+    prepare.redo_overflowed(view, x.k, x.beta, view, got, None, ci, None, T, True, packed_pitch=(vp, vb))
+    assert int((~want.isnan()).sum()) == sum((items[i][2] - items[i][1]) * 64 for i in redo)
+    assert torch.equal(want.isnan(), got.isnan()) and torch.equal(want.nan_to_num(), got.nan_to_num())
+
+
 @pytest.mark.parametrize("gluon", [True, False])
 def test_segment_pass_dispatch_sm90(monkeypatch, gluon):
     """chunk_state_pass's segment pass where the sm_90 state pass supports INIT 3 (support emulated, launches

@@ -118,16 +118,10 @@ def _prepare_redo_kernel(
         f = tl.load(flags + offs[:, None] * 64 + r64[None, :], mask=ok[:, None], other=0).to(tl.int32)
     else:
         i_t = offs // HV
-        n = tl.load(chunk_indices + 2 * i_t, mask=ok, other=0)
+        n = tl.load(chunk_indices + 2 * i_t, mask=ok, other=0)      # (sequence 0 past the items: a valid span)
         c = tl.load(chunk_indices + 2 * i_t + 1, mask=ok, other=0).to(tl.int64)
-        if IS_VARLEN:
-            bos = tl.load(cu_seqlens + n, mask=ok, other=0).to(tl.int64)
-            eos = tl.load(cu_seqlens + n + 1, mask=ok, other=0).to(tl.int64)
-            tok0 = bos * 0
-        else:
-            bos = n.to(tl.int64) * 0
-            eos = bos + T
-            tok0 = n.to(tl.int64) * T
+        i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
+        tok0 = i_b * T
         t0 = bos + c * 64
         e = 2 * tl.minimum(eos - t0, 64)[:, None] + r64[None, :]      # field 2 of the chunk's nv valid rows
         fp = flags + ((tok0 + t0)[:, None] + e // VB) * (HV * VP) + (offs % HV)[:, None] * VP + e % VB
