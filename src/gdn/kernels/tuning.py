@@ -100,7 +100,7 @@ class ChunkForward:
     # the V tile 32 / 64 fused kernel forming P itself (state_sm90_p_in_kernel_bv) in an inference call: the per-token
     # fp32 scalars (g_cum, r_k, the fp16 solve's overflow flags) written by the prepare into o's own rows, a copy per
     # V tile (hopper.row_scalar_pack), read by each tile's CTA before it stores those o rows: the call holds o and
-    # Ainv alone (H200 1x8192 16/64: -3 MiB, forward kernels 430 -> 423 us; bench/NOTES.md)
+    # Ainv alone (H200 1x8192 16/64: -3 MiB, forward kernels 432 -> 426 us; bench/NOTES.md)
     state_sm90_row_scalars_in_o: bool = True
     # ... with P formed in the kernel by a fourth partition (hopper._t_p_steps: Q K^T from the stage's q / k tiles,
     # the scalings as one exponent from gate rows the load warp forms) instead of read from the prepare kernel,

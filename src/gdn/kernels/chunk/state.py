@@ -417,8 +417,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     Hopper kernel (``hopper._chunk_fused_sm90_kernel``; BV and plan from :func:`fused_output_plan`): o [B, T, HV, V]
     (contiguous) is written from P / qf of the prepare kernel, and h / v_new are None (never in memory) unless
     ``output["states"]`` (then the fused kernel stores them too; h in the tensor-core dtype).
-    ``output["row_scalars"]``: (VP, VB) where g_cum, rk and qf are o's fp32 view holding them in o's rows
-    (``hopper.row_scalar_pack``).
+    ``output["row_scalars"]``: (VP, VB) where g_cum and rk are o's fp32 view holding them in o's rows
+    (``hopper.row_scalar_pack``; the fused kernel forms P and qf itself there).
     v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
     ``buffers``: (h, v_new) tensors of those shapes and dtypes to write instead of new ones (the backward allocates
     them on the stream that consumes them before running this pass on a side stream).
