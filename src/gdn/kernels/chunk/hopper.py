@@ -681,24 +681,30 @@ if G.AVAILABLE:
             tma_load(q_desc, [row, col_k], bars.index(s), q_s.index(s))
             if not PA:
                 tma_load(p_desc, [row, col_a], bars.index(s), p_s.index(s))
+            # every global load of the chunk's rows issued before any is used: one L2 round trip per chunk on this
+            # warp's path, which paces the ring (with the qf / r_q row loaded after the gate rows' stores, two:
+            # H200 register-state kernel 4x4096 16/32 184 -> 169 us; bench/NOTES.md)
             g, b, rk, g_last = _chunk_gates(gcum, beta, rk_in, bos + c * C, t1, eos, tok0, i_b, i_h, i_hv, c < c_end,
                                             s_bb, s_bt, s_bh, H, HV, USE_L2)
-            gts = s * 8
-            gt_s.index(gts).store(gl.exp(g) * rk)
-            gt_s.index(gts + 1).store(b)
-            gt_s.index(gts + 2).store(gl.exp(g_last - g) * rk)
             rows = bos + c * C + t1
             if PA:
-                LOG2E: gl.constexpr = 1.4426950408889634
                 if USE_L2:
                     rq = gl.load(qf + (tok0 + rows) * H + i_h, mask=rows < eos, other=0.0) * scale
                 else:
                     rq = gl.where(rows < eos, scale, 0.0)
+            else:
+                qfr = gl.load(qf + (tok0 + rows) * HV + i_hv, mask=rows < eos, other=0.0)
+            gts = s * 8
+            gt_s.index(gts).store(gl.exp(g) * rk)
+            gt_s.index(gts + 1).store(b)
+            gt_s.index(gts + 2).store(gl.exp(g_last - g) * rk)
+            if PA:
+                LOG2E: gl.constexpr = 1.4426950408889634
                 gt_s.index(gts + 3).store(rq * gl.exp(g))
                 gt_s.index(gts + 5).store(gl.where(rows < eos, g * LOG2E + gl.log2(rq), float("-inf")))
                 gt_s.index(gts + 6).store(gl.log2(rk) - g * LOG2E)
             else:
-                gt_s.index(gts + 3).store(gl.load(qf + (tok0 + rows) * HV + i_hv, mask=rows < eos, other=0.0))
+                gt_s.index(gts + 3).store(qfr)
             gt_s.index(gts + 4).store(gl.zeros([C], gl.float32, layout=lay) + gl.exp(g_last))
             cta_barrier()
             mbarrier.arrive(bars.index(s), count=1)
