@@ -562,6 +562,8 @@ HOPPER_CONFIGS += [dict(BV=64, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDE
 # the register-state kernel forming P in its P partition (chunk_fwd.state_sm90_t_p_in_kernel, unsegmented plans),
 # with Ainv alone in o's rows from a prepare without P (which loads q for r_q alone), with and without the L2 norm
 FUSED_T_CONFIGS += [dict(PA=True, PDL=True, AP=128), dict(PA=True, PDL=True, AP=128, USE_L2=False)]
+# the varlen prepare reading its chunks' spans from the chunk table (chunk_fwd.prepare_sm90_chunk_spans; pending)
+PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, SPANS=True), dict(maxnreg=128, PDL=True, STORE_P=False, SPANS=True)]
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, STORE_P=False, STORE_RQ=True, AP=128)]
 # an inference forward of the fused kernel forming P itself (V tile 64 by default, 32 by tuning): g_cum, r_k and
 # the flags packed into o's rows (chunk_fwd.state_sm90_row_scalars_in_o; V = 128: VP 64, a copy per V tile), the

@@ -289,6 +289,23 @@ def test_one_wave_segments_for_the_fused_final_pass(monkeypatch):
     assert state._one_wave_len(ci, 64, 128, 32, dev, 64) == 0                       # 64 heads: one segment is a wave
 
 
+def test_chunk_spans_give_every_chunk_its_sequence_span():
+    """plan.ChunkIndex.chunk_spans (varlen): row i = (bos, eos) of chunk i's sequence, so that the sm_90 prepare reads
+    a chunk's token span beside its chunk_indices row instead of after it; lengths 0, 1, 63, 64, 65 and a long one,
+    drawn in a fresh order; None without cu_seqlens."""
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    lens = [0, 1, 63, 64, 65, 0, 64 * 7 + 3]
+    lens = [lens[i] for i in torch.randperm(len(lens)).tolist()]
+    cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    ci = prepare_chunk_indices(cu, int(cu[-1]), 64, 1, device=torch.device("cpu"))
+    assert ci.chunk_spans.shape == (ci.NT, 2) and ci.chunk_spans.dtype == torch.int32
+    for i, (n, c) in enumerate(ci.chunk_indices.tolist()):
+        bos, eos = ci.chunk_spans[i].tolist()
+        assert (bos, eos) == (int(cu[n]), int(cu[n + 1])) and bos + 64 * c < eos
+    assert prepare_chunk_indices(None, 130, 64, 2, device=torch.device("cpu")).chunk_spans is None
+
+
 @pytest.mark.parametrize("T, HV, want", [
     (8192, 8, (64, 16)),        # segments of 16 chunks (H100 kernels: 124 us against 200 plain; with the host's
                                 # cheaper launches, segment_fixed_cost 20: bench/results/host_direct_launch_h100.json)
@@ -917,6 +934,31 @@ def test_prepare_dispatch_sm90(monkeypatch, with_q, g_is_cumsum, ainv_dtype, sm9
         assert a[0] is x.k and a[4] is out[0] and a[5] is out[1] and a[6] is rk and out[1].dtype == torch.bfloat16
         assert (a[1] is x.q and a[7] is out[4] and a[8] is out[5]) if with_q else (a[1] is None and len(out) == 4)
         assert kw["H"] == H and kw["HV"] == HV and kw["use_l2"]
+        assert kw["chunk_spans"] is None and not kw["is_varlen"]
+
+
+@pytest.mark.parametrize("spans", [False, True])
+def test_prepare_dispatch_sm90_varlen_passes_chunk_spans(monkeypatch, spans):
+    """A varlen call of the sm_90 prepare (support emulated, launch recorded) gets cu_seqlens and, with
+    chunk_fwd.prepare_sm90_chunk_spans, the chunk spans of its chunk table: (bos, eos) per chunk."""
+    from gdn.kernels.chunk import prepare
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    monkeypatch.setenv("GDN_TUNE", f"chunk_fwd.prepare_sm90_chunk_spans={spans}")
+
+    calls = []
+    monkeypatch.setattr(prepare.hopper_prepare, "supported", lambda k, q, K, adt, prec: adt == k.dtype)
+    monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: calls.append((a, kw)))
+    monkeypatch.setattr(prepare, "_launch", lambda kernel, grid, *a, **kw: None)
+    cu = torch.tensor([0, 65, 65, 129], dtype=torch.int32)
+    x = make_inputs(1, 129, 2, 4, 64, 64, dtype=torch.bfloat16)
+    prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False, ainv_dtype=torch.bfloat16,
+                              rk=torch.empty(1, 129, 2))
+    (a, kw), = calls
+    ci = prepare_chunk_indices(cu, 129, 64, 1)
+    assert kw["is_varlen"] and a[9] is ci.chunk_indices and a[10] is cu
+    assert (kw["chunk_spans"] is ci.chunk_spans) if spans else kw["chunk_spans"] is None
+    assert ci.chunk_spans.tolist() == [[0, 65], [0, 65], [65, 129]]
 
 
 @pytest.mark.parametrize("with_w, packed, scalars", [(True, False, False), (False, False, False),

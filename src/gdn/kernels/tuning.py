@@ -45,6 +45,10 @@ class ChunkForward:
     # its cap without P (and without W): 128, four CTAs per SM, 0-40 B of spills; H100 -6 to -9% against 168
     # (bench/results/prepare_nop_cap128_ab_h100.json)
     prepare_sm90_maxnreg_nop: int = 128
+    # the varlen sm_90 prepare reading its chunk's (bos, eos) from the chunk table (plan.ChunkIndex.chunk_spans) beside
+    # its chunk_indices row instead of from cu_seqlens after it: one dependent L2 round trip fewer before its TMA copies
+    # are issued (the prepare is latency-bound, ~3-4 CTAs per SM). Pending GPU A/B (bench/NOTES.md)
+    prepare_sm90_chunk_spans: bool = False
     # the sm_90 prepare's solve products in fp16 (tf32's 10-bit mantissa, half the operand bytes, row-major right
     # operands) instead of tf32; a chunk whose fp16 products overflow is flagged and redone with the portable tf32
     # solve by a second launch (prepare.redo_overflowed). H100: prepare -4 to -8%

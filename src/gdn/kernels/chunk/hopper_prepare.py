@@ -263,7 +263,7 @@ if G.AVAILABLE:
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr,
         STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, STORE_W: gl.constexpr,
         num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False, PDL: gl.constexpr = False, AP: gl.constexpr = 64,
-        VP: gl.constexpr = 0, VB: gl.constexpr = 0, NCOPY: gl.constexpr = 1,
+        VP: gl.constexpr = 0, VB: gl.constexpr = 0, NCOPY: gl.constexpr = 1, SPANS: gl.constexpr = False,
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
@@ -276,7 +276,9 @@ if G.AVAILABLE:
         value heads' Ainv (and P) rows of one token (64: their own buffers; 128: packed into o's rows).
         VP, VB, NCOPY (without P: an inference forward whose fused kernel forms P): g_cum, r_k and the flags are one
         pointer, o's fp32 view, and go into its rows (``hopper.row_scalar_pack``): g_cum and r_k (per value head)
-        into every V tile's block, the flags (fp32 0 / 1) into the first tile's."""
+        into every V tile's block, the flags (fp32 0 / 1) into the first tile's. SPANS (varlen): ``cu_seqlens`` is
+        the chunk table's span table (``plan.ChunkIndex.chunk_spans``: (bos, eos) per chunk), read beside
+        ``chunk_indices`` instead of after it."""
         C: gl.constexpr = 64
         pdl_enter(PDL)
         pid = gl.program_id(0)
@@ -285,7 +287,12 @@ if G.AVAILABLE:
         i_h = i_hv // (HV // H)
         n = gl.load(chunk_indices + 2 * i_t)
         c = gl.load(chunk_indices + 2 * i_t + 1)
-        i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
+        if IS_VARLEN and SPANS:     # the chunk's sequence span beside its chunk_indices row, not after it
+            i_b = 0
+            bos = gl.load(cu_seqlens + 2 * i_t)
+            eos = gl.load(cu_seqlens + 2 * i_t + 1)
+        else:
+            i_b, bos, eos = _seq_span(n, cu_seqlens, T, IS_VARLEN)
         t0 = bos + c * C
         nv = gl.minimum(eos - t0, C)
         tok0 = i_b * T
@@ -482,7 +489,7 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
 
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
                    H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None, solve_f16=False, flags=None, pdl=False,
-                   rq_of=None, row_scalars=None):
+                   rq_of=None, row_scalars=None, chunk_spans=None):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
     P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with the L2 norm, from ``q``, or
     without P from ``rq_of``, the q whose tiles are then loaded for it alone; the caller passes it only then);
@@ -491,7 +498,8 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
     ``pdl``: programmatic dependent launch (:func:`gdn.kernels.launch.pdl_args`). Unused tensors may be None.
     Ainv and P [B, T, HV, 64]: contiguous, or views at one head pitch (``hopper.pitched_rows_ok``: the two halves of
     o's rows, which the register-state kernel reads them from). ``row_scalars``: (VP, VB, NCOPY) where g_cum, rk
-    and flags are all o's fp32 view (``hopper.row_scalar_pack``), the kernel packing them into o's rows."""
+    and flags are all o's fp32 view (``hopper.row_scalar_pack``), the kernel packing them into o's rows.
+    ``chunk_spans`` (varlen): ``plan.ChunkIndex.chunk_spans``, read instead of ``cu_seqlens`` (SPANS)."""
     if row_scalars is not None and (any(x is not None and x is not g_cum for x in (rk, flags))
                                     or q is not None or rq is not None or w is not None):
         raise ValueError("launch_prepare: row scalars packed into o: g_cum, rk and flags are o's fp32 view; no P, no "
@@ -501,6 +509,7 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
     ap = ainv.stride(2)
     if not pitched_rows_ok(ainv) or (p is not None and (p.stride(2) != ap or not pitched_rows_ok(p))):
         raise ValueError("launch_prepare: Ainv and P must be token rows at one head pitch (16-byte aligned)")
+    spans = bool(is_varlen and chunk_spans is not None)
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     qq = q if q is not None else rq_of
@@ -512,11 +521,13 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
         rq if rq is not None else g_cum, p if p is not None else ainv,
         qf if qf is not None else g_cum, w if w is not None else ainv, flags if flags is not None else chunk_indices,
         chunk_indices,
-        cu_seqlens if cu_seqlens is not None else chunk_indices, T, float(scale), *s_g, *s_beta,
+        chunk_spans if spans else cu_seqlens if cu_seqlens is not None else chunk_indices, T, float(scale), *s_g,
+        *s_beta,
         H=H, HV=HV, K=K, USE_L2=use_l2, IS_VARLEN=is_varlen, STORE_RK=rk is not None,
         STORE_P=q is not None, STORE_RQ=rq is not None, STORE_W=w is not None, num_warps=4, SOLVE_F16=bool(solve_f16),
         **({"AP": ap} if ap != CHUNK else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
-        **(dict(zip(("VP", "VB", "NCOPY"), row_scalars)) if row_scalars is not None else {}), **pdl_args(pdl, k.device))
+        **(dict(zip(("VP", "VB", "NCOPY"), row_scalars)) if row_scalars is not None else {}),
+        **({"SPANS": True} if spans else {}), **pdl_args(pdl, k.device))
 
 
 __all__ = ["supported", "launch_prepare"]

@@ -20,7 +20,9 @@ class ChunkIndex(NamedTuple):
     N: number of sequences; NT: total number of chunks; nchunks: chunks per sequence (host list);
     chunk_indices: int32 [NT, 2] = (sequence n, chunk c within the sequence) on the device;
     chunk_offsets: int32 [N + 1] global index of the first chunk of every sequence (host list ``offsets`` too);
-    is_varlen: whether ``cu_seqlens`` was given (then B == 1).
+    is_varlen: whether ``cu_seqlens`` was given (then B == 1);
+    chunk_spans (varlen): int32 [NT, 2] = (bos, eos), the token span of every chunk's sequence, so that a kernel
+    reads a chunk's rows after one table load instead of two dependent ones (chunk_indices, then cu_seqlens).
     """
     N: int
     NT: int
@@ -30,6 +32,7 @@ class ChunkIndex(NamedTuple):
     chunk_indices: torch.Tensor
     chunk_offsets: torch.Tensor
     is_varlen: bool
+    chunk_spans: Optional[torch.Tensor] = None
 
 
 _TABLE_CACHE: dict = {}
@@ -79,8 +82,13 @@ def _build_chunk_indices(cu, T, chunk_size, B, device) -> ChunkIndex:
     off = torch.tensor(offsets[:-1], dtype=torch.int32)
     within = torch.arange(NT, dtype=torch.int32) - off[seq.long()] if NT else torch.zeros(0, dtype=torch.int32)
     ci = torch.stack([seq, within], 1).contiguous() if NT else torch.zeros(0, 2, dtype=torch.int32)
+    spans = None
+    if is_varlen:
+        cu_t = torch.tensor(cu, dtype=torch.int32)
+        spans = (torch.stack([cu_t[seq.long()], cu_t[seq.long() + 1]], 1).contiguous() if NT
+                 else torch.zeros(0, 2, dtype=torch.int32)).to(device)
     return ChunkIndex(len(lens), NT, chunk_size, nchunks, offsets, ci.to(device),
-                      torch.tensor(offsets, dtype=torch.int32).to(device), is_varlen)
+                      torch.tensor(offsets, dtype=torch.int32).to(device), is_varlen, spans)
 
 
 class SegmentPlan(NamedTuple):
