@@ -502,6 +502,8 @@ PREPARE_CONFIGS = [dict(maxnreg=r, **f) for r in (None, 168)
 
 PARTS_CONFIGS = [dict(), dict(USE_L2=False, IS_VARLEN=False), dict(K=64), dict(dtype="float16"),
                  dict(H=4), dict(H=4, USE_L2=False, IS_VARLEN=False)]
+# the varlen parts kernel reading its chunks' spans from the chunk table (chunk_bwd.parts_sm90_chunk_spans; pending)
+PARTS_CONFIGS += [dict(SPANS=True), dict(H=4, SPANS=True)]
 
 
 DH_CONFIGS = [dict(BV=bv, **f) for bv in (32, 64)

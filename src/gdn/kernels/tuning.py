@@ -297,6 +297,10 @@ class ChunkBackward:
     # sm_90: parts A and B of the per-chunk gradients as one Gluon kernel (gdn.kernels.chunk.backward.hopper_parts:
     # every tile of a (chunk, value head) by TMA once, asynchronous wgmma) where it supports the launch
     parts_sm90: bool = True
+    # ... reading a varlen chunk's (bos, eos) from the chunk table's spans beside its chunk_indices row instead of from
+    # cu_seqlens after it (one CTA per SM: the item's start is exposed). Pending GPU A/B, as
+    # chunk_fwd.prepare_sm90_chunk_spans (bench/NOTES.md)
+    parts_sm90_chunk_spans: bool = False
 
 
 @dataclass(frozen=True)
