@@ -564,6 +564,8 @@ HOPPER_CONFIGS += [dict(BV=64, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDE
 # the register-state kernel forming P in its P partition (chunk_fwd.state_sm90_t_p_in_kernel, unsegmented plans),
 # with Ainv alone in o's rows from a prepare without P (which loads q for r_q alone), with and without the L2 norm
 FUSED_T_CONFIGS += [dict(PA=True, PDL=True, AP=128), dict(PA=True, PDL=True, AP=128, USE_L2=False)]
+# the register-state kernel's 3-stage ring (chunk_fwd.state_sm90_t_stages; pending)
+FUSED_T_CONFIGS += [dict(PA=True, PDL=True, AP=128, NS=3)]
 # the varlen prepare reading its chunks' spans from the chunk table (chunk_fwd.prepare_sm90_chunk_spans; pending)
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, SPANS=True), dict(maxnreg=128, PDL=True, STORE_P=False, SPANS=True)]
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, STORE_P=False, STORE_RQ=True, AP=128)]

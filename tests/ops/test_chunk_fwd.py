@@ -1340,6 +1340,15 @@ def test_fused_kernel_forms_p_where_the_tuning_says(monkeypatch, bv, seg, field,
         assert a[6].shape == (B, T, HV, 64) and a[7].shape == (B, T, HV)
 
 
+@pytest.mark.parametrize("stages", [2, 3])
+def test_register_state_kernel_ring_stages_from_the_tuning(monkeypatch, stages):
+    """The register-state kernel's launch (emulated) takes its ring depth from ``chunk_fwd.state_sm90_t_stages``."""
+    x = make_inputs(1, 2 * 64 + 1, 2, 4, 64, 128, dtype=torch.bfloat16)
+    _, calls, _ = _fused_forward_emulated(monkeypatch, x, 128, -1, state_sm90_t_stages=stages)
+    (a, kw), = calls
+    assert kw["transposed"] and kw["t_stages"] == stages
+
+
 @pytest.mark.parametrize("field, l2, seg", [(True, True, -1), (True, False, -1), (False, True, -1), (True, True, 2),
                                             (False, True, 2)])
 def test_register_state_kernel_forms_p_where_the_tuning_says(monkeypatch, field, l2, seg):

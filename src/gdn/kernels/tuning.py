@@ -97,6 +97,10 @@ class ChunkForward:
     # at V tile 128 (hopper._chunk_fused_t_sm90_kernel: two warpgroups, each 64 rows of S^T in registers, every
     # chained operand a register A operand; state._fused_output_plan)
     state_sm90_fused_t: bool = True
+    # ... its TMA ring's stages (3: 211 KB of shared memory with the P partition). Pending GPU A/B: since its load warp
+    # takes one L2 round trip per chunk (thirty-fourth session) the stage may arrive later than a chunk ahead only
+    # where the copies themselves are slow (4x4096 16/32: DRAM-bound)
+    state_sm90_t_stages: int = 2
     # ... with Ainv and P written by the prepare into the two halves of o's own rows (head pitch 128; V = 128, o in
     # the tensor-core dtype, an inference call): the kernel has a chunk's tiles in shared memory before it stores the
     # chunk's o over them, so the call's peak holds no Ainv / P beside o (forward.py)
