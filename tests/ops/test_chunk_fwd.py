@@ -289,15 +289,19 @@ def test_one_wave_segments_for_the_fused_final_pass(monkeypatch):
     assert state._one_wave_len(ci, 64, 128, 32, dev, 64) == 0                       # 64 heads: one segment is a wave
 
 
-def test_chunk_spans_give_every_chunk_its_sequence_span():
-    """plan.ChunkIndex.chunk_spans (varlen): row i = (bos, eos) of chunk i's sequence, so that the sm_90 prepare reads
-    a chunk's token span beside its chunk_indices row instead of after it; lengths 0, 1, 63, 64, 65 and a long one,
-    drawn in a fresh order; None without cu_seqlens."""
+@pytest.mark.parametrize("field", ["chunk_fwd.prepare_sm90_chunk_spans", "chunk_bwd.parts_sm90_chunk_spans"])
+def test_chunk_spans_give_every_chunk_its_sequence_span(monkeypatch, field):
+    """plan.ChunkIndex.chunk_spans (varlen, where a field asks for it): row i = (bos, eos) of chunk i's sequence, so
+    that the sm_90 prepare / parts kernel reads a chunk's token span beside its chunk_indices row instead of after
+    it; lengths 0, 1, 63, 64, 65 and a long one, drawn in a fresh order; None with both fields off (no copy of a
+    table nothing reads) and without cu_seqlens."""
     from gdn.kernels.chunk.plan import prepare_chunk_indices
 
     lens = [0, 1, 63, 64, 65, 0, 64 * 7 + 3]
     lens = [lens[i] for i in torch.randperm(len(lens)).tolist()]
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    assert prepare_chunk_indices(cu, int(cu[-1]), 64, 1, device=torch.device("cpu")).chunk_spans is None
+    monkeypatch.setenv("GDN_TUNE", f"{field}=true")
     ci = prepare_chunk_indices(cu, int(cu[-1]), 64, 1, device=torch.device("cpu"))
     assert ci.chunk_spans.shape == (ci.NT, 2) and ci.chunk_spans.dtype == torch.int32
     for i, (n, c) in enumerate(ci.chunk_indices.tolist()):
@@ -958,7 +962,7 @@ def test_prepare_dispatch_sm90_varlen_passes_chunk_spans(monkeypatch, spans):
     ci = prepare_chunk_indices(cu, 129, 64, 1)
     assert kw["is_varlen"] and a[9] is ci.chunk_indices and a[10] is cu
     assert (kw["chunk_spans"] is ci.chunk_spans) if spans else kw["chunk_spans"] is None
-    assert ci.chunk_spans.tolist() == [[0, 65], [0, 65], [65, 129]]
+    assert ci.chunk_spans.tolist() == [[0, 65], [0, 65], [65, 129]] if spans else ci.chunk_spans is None
 
 
 @pytest.mark.parametrize("with_w, packed, scalars", [(True, False, False), (False, False, False),

@@ -21,7 +21,8 @@ class ChunkIndex(NamedTuple):
     chunk_indices: int32 [NT, 2] = (sequence n, chunk c within the sequence) on the device;
     chunk_offsets: int32 [N + 1] global index of the first chunk of every sequence (host list ``offsets`` too);
     is_varlen: whether ``cu_seqlens`` was given (then B == 1);
-    chunk_spans (varlen): int32 [NT, 2] = (bos, eos), the token span of every chunk's sequence, so that a kernel
+    chunk_spans (varlen, built where ``chunk_fwd.prepare_sm90_chunk_spans`` or ``chunk_bwd.parts_sm90_chunk_spans``
+    asks for it, else None): int32 [NT, 2] = (bos, eos), the token span of every chunk's sequence, so that a kernel
     reads a chunk's rows after one table load instead of two dependent ones (chunk_indices, then cu_seqlens).
     """
     N: int
@@ -58,15 +59,18 @@ def prepare_chunk_indices(cu_seqlens: Optional[torch.Tensor], T: int, chunk_size
         device = cu_seqlens.device
         src = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.detach().cpu()
         cu = tuple(int(x) for x in (src.tolist() if isinstance(src, torch.Tensor) else src))
-        key = ("varlen", cu, chunk_size, str(device))
+        # the span table only where a kernel reads it (one host-to-device copy more per new cu_seqlens otherwise)
+        spans = bool(tuning.chunk_fwd(device).prepare_sm90_chunk_spans
+                     or tuning.chunk_bwd(device).parts_sm90_chunk_spans)
+        key = ("varlen", cu, chunk_size, str(device), spans)
     else:
         device = torch.device(device) if device is not None else torch.device("cpu")
-        cu = None
+        cu = spans = None
         key = ("batch", B, T, chunk_size, str(device))
-    return _cached(key, lambda: _build_chunk_indices(cu, T, chunk_size, B, device))
+    return _cached(key, lambda: _build_chunk_indices(cu, T, chunk_size, B, device, spans))
 
 
-def _build_chunk_indices(cu, T, chunk_size, B, device) -> ChunkIndex:
+def _build_chunk_indices(cu, T, chunk_size, B, device, spans=False) -> ChunkIndex:
     if cu is not None:
         lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
         is_varlen = True
@@ -82,13 +86,13 @@ def _build_chunk_indices(cu, T, chunk_size, B, device) -> ChunkIndex:
     off = torch.tensor(offsets[:-1], dtype=torch.int32)
     within = torch.arange(NT, dtype=torch.int32) - off[seq.long()] if NT else torch.zeros(0, dtype=torch.int32)
     ci = torch.stack([seq, within], 1).contiguous() if NT else torch.zeros(0, 2, dtype=torch.int32)
-    spans = None
-    if is_varlen:
+    span_table = None
+    if is_varlen and spans:
         cu_t = torch.tensor(cu, dtype=torch.int32)
-        spans = (torch.stack([cu_t[seq.long()], cu_t[seq.long() + 1]], 1).contiguous() if NT
-                 else torch.zeros(0, 2, dtype=torch.int32)).to(device)
+        span_table = (torch.stack([cu_t[seq.long()], cu_t[seq.long() + 1]], 1).contiguous() if NT
+                      else torch.zeros(0, 2, dtype=torch.int32)).to(device)
     return ChunkIndex(len(lens), NT, chunk_size, nchunks, offsets, ci.to(device),
-                      torch.tensor(offsets, dtype=torch.int32).to(device), is_varlen, spans)
+                      torch.tensor(offsets, dtype=torch.int32).to(device), is_varlen, span_table)
 
 
 class SegmentPlan(NamedTuple):
