@@ -645,6 +645,34 @@ def test_profile_host_times_rows(monkeypatch):
     assert rows[1]["wall_ms"] > rows[0]["wall_ms"]
 
 
+def test_profile_varlen_packs_the_sequences(monkeypatch):
+    """``gdn profile --varlen``: the op is called on one packed row with cu_seqlens (and its host copy) over the
+    N sequences, the same tokens as the batched call's rows; the rows' mode says so; the batched call passes none."""
+    import gdn.ops
+    import gdn.benchmark.profile as P
+
+    made = P._inputs
+    calls = []
+    real = gdn.ops.chunk_gated_delta_rule
+
+    def op(q, k, v, g, beta, **kw):
+        calls.append((q.detach().clone(), kw.get("cu_seqlens"), kw.get("cu_seqlens_cpu")))
+        return real(q, k, v, g, beta, **kw)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gdn.ops, "chunk_gated_delta_rule", op)
+    monkeypatch.setattr(P, "_inputs", lambda N, T, H, HV, device: made(N, T, H, HV, "cpu", K=32, V=32))
+    monkeypatch.setattr(P, "kernel_times", lambda fn, iters: (fn(), [("k", 2.0, 1.0)])[1])
+    rows = P.run("3x20:1/2", iters=1, forward_only=True, print_fn=lambda *a: None, varlen=True)
+    rows += P.run("3x20:1/2", iters=1, forward_only=True, print_fn=lambda *a: None)
+    assert [(r["shape"], r["mode"], r["total_us"]) for r in rows] == [("3x20:1/2", "fwd varlen", 2.0),
+                                                                      ("3x20:1/2", "fwd", 2.0)]
+    (qp, cu, cu_cpu), (qb, cu_b, cu_cpu_b) = calls
+    assert qp.shape == (1, 60, 1, 32) and qb.shape == (3, 20, 1, 32)
+    assert cu.tolist() == cu_cpu.tolist() == [0, 20, 40, 60] and cu_b is None and cu_cpu_b is None
+    assert torch.equal(qp[0], qb.reshape(60, 1, 32))
+
+
 def test_gpu_session_carries_a_triton_cache(tmp_path, monkeypatch):
     """--triton-cache: the stages run with TRITON_CACHE_DIR set to a folder restored from the given .tgz, and the
     folder's loadable files (metadata, cubin, launcher .so; not the IR) come back as $OUT/triton-cache.tgz."""

@@ -7,6 +7,7 @@ layer (``--layer-decode N``). The tool for an A/B of a tuning field::
     gdn profile --layer-decode 256 --state-dtype fp32 --layout v_last --out $OUT/layer_decode.json
     gdn profile --layer-train 4x4096:16/32 --out $OUT/layer.json    # the layer's forward + backward, idle gaps
     gdn profile --host --forward --shapes 1x8192:16/32,1x8192:8/16 --out $OUT/host.json   # host vs wall per call
+    gdn profile --forward --varlen --shapes 4x4096:16/32 --out $OUT/varlen.json   # packed with cu_seqlens
 
 Inputs per shape ``NxT:H/HV``: bf16 q/k/v/beta, fp32 g, K = V = 128, L2 norm on, fp32 initial and final state; one
 warm-up call, then ``--iters`` profiled calls; prints every kernel's mean time per call (us) and their sum.
@@ -41,6 +42,16 @@ def _inputs(N, T, H, HV, device, K=128, V=128, seed=0):
     return q, k, v, gl, beta, h0, do
 
 
+def _packed(q, k, v, gl, beta, do, requires_grad: bool):
+    """The N sequences of ``_inputs`` packed along T of one batch row, as serving engines call the op: (q, k, v, g,
+    beta, do, cu_seqlens (device), cu_seqlens_cpu)."""
+    N, T = q.shape[:2]
+    q, k, v, gl, beta = (t.detach().reshape(1, N * T, *t.shape[2:]).requires_grad_(requires_grad)
+                         for t in (q, k, v, gl, beta))
+    cu_cpu = torch.arange(0, N * T + 1, T, dtype=torch.int32)
+    return q, k, v, gl, beta, do.reshape(1, N * T, *do.shape[2:]), cu_cpu.to(q.device), cu_cpu
+
+
 def _walls(step, iters: int, reps: int = 3):
     """Wall-clock seconds per call of ``step`` (``iters`` calls between two synchronisations), ``reps`` times."""
     import time
@@ -72,9 +83,11 @@ def kernel_times(fn, iters: int):
     return sorted(((n, t / iters, cnt[n] / iters) for n, t in tot.items()), key=lambda r: -r[1])
 
 
-def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = False, out=None, print_fn=print):
+def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = False, out=None, print_fn=print,
+        varlen: bool = False):
     """Profile every shape; returns rows ``{peer, shape, mode, total_us, kernels: [{name, us, calls}]}`` (also
-    written to ``out`` as JSON when given)."""
+    written to ``out`` as JSON when given). ``varlen``: the N sequences packed into one batch row with
+    ``cu_seqlens`` (and its host copy), as serving engines call the op; else a batch of N rows."""
     import json
 
     from gdn.ops import chunk_gated_delta_rule
@@ -88,16 +101,23 @@ def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = Fal
             peers["fla"] = fla_chunk
         except Exception as e:  # noqa: BLE001 - optional peer
             print_fn(f"fla not importable: {e}")
-    mode = "fwd" if forward_only else "fwd+bwd"
+    mode = ("fwd" if forward_only else "fwd+bwd") + (" varlen" if varlen else "")
     rows = []
     for (N, T, H, HV) in parse_shapes(shapes):
         q, k, v, gl, beta, h0, do = _inputs(N, T, H, HV, "cuda")
+        cu = {}
+        if varlen:
+            q, k, v, gl, beta, do, cu_dev, cu_cpu = _packed(q, k, v, gl, beta, do, True)
+            cu = dict(cu_seqlens=cu_dev)
         shape = f"{N}x{T}:{H}/{HV}"
         for name, op in peers.items():
-            def step(op=op):
+            # (cu_seqlens_cpu for gdn only: fla 0.6 does not take it)
+            kw = dict(cu, cu_seqlens_cpu=cu_cpu) if (varlen and name == "gdn") else cu
+
+            def step(op=op, kw=kw):
                 with torch.set_grad_enabled(not forward_only):
                     o, _ = op(q, k, v, gl, beta, scale=128 ** -0.5, initial_state=h0, output_final_state=True,
-                              use_qk_l2norm_in_kernel=True)
+                              use_qk_l2norm_in_kernel=True, **kw)
                     if not forward_only:
                         torch.autograd.grad(o, (q, k, v, gl, beta), do)
             try:
@@ -134,12 +154,7 @@ def host_times(shapes: str, iters: int = 20, forward_only: bool = False, out=Non
     rows = []
     for (N, T, H, HV) in parse_shapes(shapes):
         q, k, v, gl, beta, h0, do = _inputs(N, T, H, HV, "cuda")
-        # the N sequences packed along T of one batch row
-        q, k, v, gl, beta = (t.detach().reshape(1, N * T, *t.shape[2:]).requires_grad_(not forward_only)
-                             for t in (q, k, v, gl, beta))
-        do = do.reshape(1, N * T, *do.shape[2:])
-        cu_cpu = torch.arange(0, N * T + 1, T, dtype=torch.int32)
-        cu = cu_cpu.cuda()
+        q, k, v, gl, beta, do, cu, cu_cpu = _packed(q, k, v, gl, beta, do, not forward_only)
 
         def step():
             with torch.set_grad_enabled(not forward_only):
@@ -282,6 +297,9 @@ def add_arguments(p):
     p.add_argument("--shapes", default="1x32768:16/32,4x4096:16/32", help="NxT:H/HV, comma-separated")
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--forward", action="store_true", help="the forward only (default: forward + backward)")
+    p.add_argument("--varlen", action="store_true",
+                   help="the N sequences of a shape packed into one row with cu_seqlens, as serving engines call it "
+                        "(default: a batch of N rows)")
     p.add_argument("--fla", action="store_true", help="also profile fla's chunked op when importable")
     p.add_argument("--out", default=None, help="write the rows here (JSON)")
     p.add_argument("--host", action="store_true",
@@ -302,7 +320,7 @@ def main(args) -> int:
     elif args.host:
         host_times(args.shapes, max(args.iters, 10), args.forward, args.out)
     else:
-        run(args.shapes, args.iters, args.forward, args.fla, args.out)
+        run(args.shapes, args.iters, args.forward, args.fla, args.out, varlen=args.varlen)
     return 0
 
 
