@@ -502,8 +502,6 @@ PREPARE_CONFIGS = [dict(maxnreg=r, **f) for r in (None, 168)
 
 PARTS_CONFIGS = [dict(), dict(USE_L2=False, IS_VARLEN=False), dict(K=64), dict(dtype="float16"),
                  dict(H=4), dict(H=4, USE_L2=False, IS_VARLEN=False)]
-# the varlen parts kernel reading its chunks' spans from the chunk table (chunk_bwd.parts_sm90_chunk_spans; pending)
-PARTS_CONFIGS += [dict(SPANS=True), dict(H=4, SPANS=True)]
 
 
 DH_CONFIGS = [dict(BV=bv, **f) for bv in (32, 64)
@@ -564,9 +562,7 @@ HOPPER_CONFIGS += [dict(BV=64, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDE
 # the register-state kernel forming P in its P partition (chunk_fwd.state_sm90_t_p_in_kernel, unsegmented plans),
 # with Ainv alone in o's rows from a prepare without P (which loads q for r_q alone), with and without the L2 norm
 FUSED_T_CONFIGS += [dict(PA=True, PDL=True, AP=128), dict(PA=True, PDL=True, AP=128, USE_L2=False)]
-# the register-state kernel's 3-stage ring (chunk_fwd.state_sm90_t_stages; pending)
-FUSED_T_CONFIGS += [dict(PA=True, PDL=True, AP=128, NS=3)]
-# the varlen prepare reading its chunks' spans from the chunk table (chunk_fwd.prepare_sm90_chunk_spans; pending)
+# the varlen prepare reading its chunks' spans from the chunk table (chunk_fwd.prepare_sm90_chunk_spans: the default)
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, SPANS=True), dict(maxnreg=128, PDL=True, STORE_P=False, SPANS=True)]
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, STORE_P=False, STORE_RQ=True, AP=128)]
 # an inference forward of the fused kernel forming P itself (V tile 64 by default, 32 by tuning): g_cum, r_k and

@@ -452,33 +452,6 @@ def test_parts_dispatch_sm90(monkeypatch, HV):
     assert dq.shape == (B, T, H, K) and dk.dtype == x.k.dtype and dv.shape == x.v.shape
 
 
-@pytest.mark.parametrize("spans", [False, True])
-def test_parts_dispatch_sm90_varlen_chunk_spans(monkeypatch, spans):
-    """A varlen call of the sm_90 parts kernel (support emulated, launch recorded) gets cu_seqlens and, with
-    chunk_bwd.parts_sm90_chunk_spans, its chunk table's spans ((bos, eos) per chunk) to read instead."""
-    from gdn.kernels.chunk.backward import parts
-    from gdn.kernels.chunk.plan import prepare_chunk_indices
-
-    monkeypatch.setenv("GDN_TUNE", f"chunk_bwd.parts_sm90_chunk_spans={spans}")
-    calls = []
-    monkeypatch.setattr(parts.hopper_parts, "supported", lambda *a: True)
-    monkeypatch.setattr(parts.hopper_parts, "launch_parts", lambda *a, **kw: calls.append((a, kw)))
-    monkeypatch.setattr(parts, "launch", lambda kernel, grid, *a, **kw: None)
-    cu = torch.tensor([0, 1, 66, 130], dtype=torch.int32)
-    B, T, H, HV, K = 1, 130, 2, 2, 64
-    x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
-    ci = prepare_chunk_indices(cu, T, 64, 1)
-    g_cum = torch.randn(B, T, HV)
-    ainv = torch.randn(B, T, HV, 64).bfloat16()
-    vn, dvn, do = (torch.randn(B, T, HV, K).bfloat16() for _ in range(3))
-    h = torch.randn(ci.NT, HV, K, K).bfloat16()
-    parts.chunk_bwd_main(x.q, x.k, x.v, g_cum, x.beta, ainv, vn, dvn, do, h, h.clone(), 0.125, cu, 64, True)
-    (args, kw), = calls
-    assert args[18] is cu and args[19] is ci.chunk_indices
-    assert (kw["chunk_spans"] is ci.chunk_spans) if spans else kw["chunk_spans"] is None
-    assert ci.chunk_spans.tolist() == [[0, 1], [1, 66], [1, 66], [66, 130]] if spans else ci.chunk_spans is None
-
-
 @pytest.mark.parametrize("sm90", [False, True])
 def test_parts_write_into_packed_gradient(monkeypatch, sm90):
     """chunk_bwd_main(out=) with views of one packed [B, T, 2 H K + HV V] gradient: where the sm_90 kernel takes

@@ -289,24 +289,27 @@ def test_one_wave_segments_for_the_fused_final_pass(monkeypatch):
     assert state._one_wave_len(ci, 64, 128, 32, dev, 64) == 0                       # 64 heads: one segment is a wave
 
 
-@pytest.mark.parametrize("field", ["chunk_fwd.prepare_sm90_chunk_spans", "chunk_bwd.parts_sm90_chunk_spans"])
-def test_chunk_spans_give_every_chunk_its_sequence_span(monkeypatch, field):
-    """plan.ChunkIndex.chunk_spans (varlen, where a field asks for it): row i = (bos, eos) of chunk i's sequence, so
-    that the sm_90 prepare / parts kernel reads a chunk's token span beside its chunk_indices row instead of after
-    it; lengths 0, 1, 63, 64, 65 and a long one, drawn in a fresh order; None with both fields off (no copy of a
-    table nothing reads) and without cu_seqlens."""
+def test_chunk_spans_give_every_chunk_its_sequence_span(monkeypatch):
+    """plan.ChunkIndex.chunk_spans (varlen, chunk_fwd.prepare_sm90_chunk_spans on: the default): row i = (bos, eos)
+    of chunk i's sequence, so that the sm_90 prepare reads a chunk's token span beside its chunk_indices row instead
+    of after it; lengths 0, 1, 63, 64, 65 and a long one, drawn in a fresh order; the chunk table and offsets as
+    without spans (one buffer); None with the field off and without cu_seqlens."""
     from gdn.kernels.chunk.plan import prepare_chunk_indices
 
     lens = [0, 1, 63, 64, 65, 0, 64 * 7 + 3]
     lens = [lens[i] for i in torch.randperm(len(lens)).tolist()]
     cu = torch.tensor([0] + lens, dtype=torch.int32).cumsum(0).to(torch.int32)
-    assert prepare_chunk_indices(cu, int(cu[-1]), 64, 1, device=torch.device("cpu")).chunk_spans is None
-    monkeypatch.setenv("GDN_TUNE", f"{field}=true")
     ci = prepare_chunk_indices(cu, int(cu[-1]), 64, 1, device=torch.device("cpu"))
     assert ci.chunk_spans.shape == (ci.NT, 2) and ci.chunk_spans.dtype == torch.int32
     for i, (n, c) in enumerate(ci.chunk_indices.tolist()):
         bos, eos = ci.chunk_spans[i].tolist()
         assert (bos, eos) == (int(cu[n]), int(cu[n + 1])) and bos + 64 * c < eos
+    monkeypatch.setenv("GDN_TUNE", "chunk_fwd.prepare_sm90_chunk_spans=false")
+    off = prepare_chunk_indices(cu, int(cu[-1]), 64, 1, device=torch.device("cpu"))
+    assert off.chunk_spans is None
+    assert torch.equal(off.chunk_indices, ci.chunk_indices) and torch.equal(off.chunk_offsets, ci.chunk_offsets)
+    assert ci.chunk_offsets.tolist() == ci.offsets and ci.chunk_indices.is_contiguous()
+    assert all(t.data_ptr() % 16 == 0 for t in (ci.chunk_indices, ci.chunk_spans, ci.chunk_offsets))
     assert prepare_chunk_indices(None, 130, 64, 2, device=torch.device("cpu")).chunk_spans is None
 
 
@@ -1342,15 +1345,6 @@ def test_fused_kernel_forms_p_where_the_tuning_says(monkeypatch, bv, seg, field,
     assert kw["scale"] == 0.125 and kw["BV"] == bv and aux["rq"] is None
     if not formed:
         assert a[6].shape == (B, T, HV, 64) and a[7].shape == (B, T, HV)
-
-
-@pytest.mark.parametrize("stages", [2, 3])
-def test_register_state_kernel_ring_stages_from_the_tuning(monkeypatch, stages):
-    """The register-state kernel's launch (emulated) takes its ring depth from ``chunk_fwd.state_sm90_t_stages``."""
-    x = make_inputs(1, 2 * 64 + 1, 2, 4, 64, 128, dtype=torch.bfloat16)
-    _, calls, _ = _fused_forward_emulated(monkeypatch, x, 128, -1, state_sm90_t_stages=stages)
-    (a, kw), = calls
-    assert kw["transposed"] and kw["t_stages"] == stages
 
 
 @pytest.mark.parametrize("field, l2, seg", [(True, True, -1), (True, False, -1), (False, True, -1), (True, True, 2),

@@ -47,8 +47,11 @@ class ChunkForward:
     prepare_sm90_maxnreg_nop: int = 128
     # the varlen sm_90 prepare reading its chunk's (bos, eos) from the chunk table (plan.ChunkIndex.chunk_spans) beside
     # its chunk_indices row instead of from cu_seqlens after it: one dependent L2 round trip fewer before its TMA copies
-    # are issued (the prepare is latency-bound, ~3-4 CTAs per SM). Pending GPU A/B (bench/NOTES.md)
-    prepare_sm90_chunk_spans: bool = False
+    # are issued (the prepare is latency-bound, ~3-4 CTAs per SM). H200 `gdn profile --forward --varlen`, off / on
+    # alternating twice (bench/results/fwd_pending_fields_ab_h200_thirtyfifth.json): forward kernels 4x4096 16/32
+    # 275.6 / 278.0 -> 270.2 / 272.2 us (prepare 105.2 / 106.7 -> 103.7 / 104.5), 16x1024 294.0 / 296.8 -> 291.9 /
+    # 291.7; single sequences equal (1x8192 242.3 / 243.8 -> 243.3 / 242.0, 1x32768 909.0 / 910.8 -> 909.3 / 909.9)
+    prepare_sm90_chunk_spans: bool = True
     # the sm_90 prepare's solve products in fp16 (tf32's 10-bit mantissa, half the operand bytes, row-major right
     # operands) instead of tf32; a chunk whose fp16 products overflow is flagged and redone with the portable tf32
     # solve by a second launch (prepare.redo_overflowed). H100: prepare -4 to -8%
@@ -97,10 +100,6 @@ class ChunkForward:
     # at V tile 128 (hopper._chunk_fused_t_sm90_kernel: two warpgroups, each 64 rows of S^T in registers, every
     # chained operand a register A operand; state._fused_output_plan)
     state_sm90_fused_t: bool = True
-    # ... its TMA ring's stages (3: 211 KB of shared memory with the P partition). Pending GPU A/B: since its load warp
-    # takes one L2 round trip per chunk (thirty-fourth session) the stage may arrive later than a chunk ahead only
-    # where the copies themselves are slow (4x4096 16/32: DRAM-bound)
-    state_sm90_t_stages: int = 2
     # ... with Ainv and P written by the prepare into the two halves of o's own rows (head pitch 128; V = 128, o in
     # the tensor-core dtype, an inference call): the kernel has a chunk's tiles in shared memory before it stores the
     # chunk's o over them, so the call's peak holds no Ainv / P beside o (forward.py)
@@ -301,10 +300,6 @@ class ChunkBackward:
     # sm_90: parts A and B of the per-chunk gradients as one Gluon kernel (gdn.kernels.chunk.backward.hopper_parts:
     # every tile of a (chunk, value head) by TMA once, asynchronous wgmma) where it supports the launch
     parts_sm90: bool = True
-    # ... reading a varlen chunk's (bos, eos) from the chunk table's spans beside its chunk_indices row instead of from
-    # cu_seqlens after it (one CTA per SM: the item's start is exposed). Pending GPU A/B, as
-    # chunk_fwd.prepare_sm90_chunk_spans (bench/NOTES.md)
-    parts_sm90_chunk_spans: bool = False
 
 
 @dataclass(frozen=True)

@@ -1119,7 +1119,7 @@ def row_scalar_pack(o: torch.Tensor, BV: int):
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
                       cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
                       H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, h_out=None, vnew=None, chunk_offsets=None,
-                      transposed=False, load_warp=False, scale=1.0, pdl=False, row_scalars=None, t_stages=2):
+                      transposed=False, load_warp=False, scale=1.0, pdl=False, row_scalars=None):
     """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
     (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs; both None at V
     tile 32 / 64: the kernel forms them from q, k, g_cum, rk and ``scale``) and the final state;
@@ -1132,7 +1132,7 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     the first half of o's rows). ``load_warp``: the V tile 32 / 64 kernel's ring
     filled by a load warp (``_tma_loader``) instead of its chain partition. ``pdl`` as :func:`launch_state_pass`'s.
     ``row_scalars``: (VP, VB) of :func:`row_scalar_pack` where g_cum and rk are o's fp32 view holding them (the V
-    tile 32 / 64 kernel forming P itself, no h / v_new). ``t_stages``: the register-state kernel's ring stages."""
+    tile 32 / 64 kernel forming P itself, no h / v_new)."""
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
@@ -1160,7 +1160,7 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
             o_idx if o_idx is not None else h0_idx, segments, cu_seqlens, T, P0, P1, PO, *s_beta, *s0, *s1,
             H=H, HV=HV, K=K, V=V, BV=BV, USE_L2=use_l2, IS_VARLEN=is_varlen, INIT=INIT, H0_BY_SEG=H0_BY_SEG,
             H0_INDEXED=H0_INDEXED, STORE_FINAL=ht is not None, HT_BY_SEG=HT_BY_SEG, HT_INDEXED=HT_INDEXED,
-            O_INDEXED=o_idx is not None, NS=int(t_stages), num_warps=4, **({"AP": ap} if ap != CHUNK else {}),
+            O_INDEXED=o_idx is not None, NS=2, num_warps=4, **({"AP": ap} if ap != CHUNK else {}),
             **(dict(PA=True, scale=float(scale), WREGS=T_PA_CHAIN_REGS, AREGS=T_PA_AUX_REGS, LREGS=T_PA_LOADER_REGS)
                if p is None else dict(WREGS=T_CHAIN_REGS, LREGS=T_LOADER_REGS)),
             **pdl_args(pdl, k.device))

@@ -21,9 +21,10 @@ class ChunkIndex(NamedTuple):
     chunk_indices: int32 [NT, 2] = (sequence n, chunk c within the sequence) on the device;
     chunk_offsets: int32 [N + 1] global index of the first chunk of every sequence (host list ``offsets`` too);
     is_varlen: whether ``cu_seqlens`` was given (then B == 1);
-    chunk_spans (varlen, built where ``chunk_fwd.prepare_sm90_chunk_spans`` or ``chunk_bwd.parts_sm90_chunk_spans``
-    asks for it, else None): int32 [NT, 2] = (bos, eos), the token span of every chunk's sequence, so that a kernel
-    reads a chunk's rows after one table load instead of two dependent ones (chunk_indices, then cu_seqlens).
+    chunk_spans (varlen, where ``chunk_fwd.prepare_sm90_chunk_spans`` asks for it, else None): int32 [NT, 2] =
+    (bos, eos), the token span of every chunk's sequence, so that a kernel reads a chunk's rows after one table load
+    instead of two dependent ones (chunk_indices, then cu_seqlens).
+    The device tables are views of one buffer, filled by one host-to-device copy.
     """
     N: int
     NT: int
@@ -59,9 +60,8 @@ def prepare_chunk_indices(cu_seqlens: Optional[torch.Tensor], T: int, chunk_size
         device = cu_seqlens.device
         src = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens.detach().cpu()
         cu = tuple(int(x) for x in (src.tolist() if isinstance(src, torch.Tensor) else src))
-        # the span table only where a kernel reads it (one host-to-device copy more per new cu_seqlens otherwise)
-        spans = bool(tuning.chunk_fwd(device).prepare_sm90_chunk_spans
-                     or tuning.chunk_bwd(device).parts_sm90_chunk_spans)
+        # the span table only where a kernel reads it
+        spans = bool(tuning.chunk_fwd(device).prepare_sm90_chunk_spans)
         key = ("varlen", cu, chunk_size, str(device), spans)
     else:
         device = torch.device(device) if device is not None else torch.device("cpu")
@@ -85,14 +85,25 @@ def _build_chunk_indices(cu, T, chunk_size, B, device, spans=False) -> ChunkInde
     seq = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(nchunks, dtype=torch.int64))
     off = torch.tensor(offsets[:-1], dtype=torch.int32)
     within = torch.arange(NT, dtype=torch.int32) - off[seq.long()] if NT else torch.zeros(0, dtype=torch.int32)
-    ci = torch.stack([seq, within], 1).contiguous() if NT else torch.zeros(0, 2, dtype=torch.int32)
-    span_table = None
+    parts = [seq, within]
     if is_varlen and spans:
         cu_t = torch.tensor(cu, dtype=torch.int32)
-        span_table = (torch.stack([cu_t[seq.long()], cu_t[seq.long() + 1]], 1).contiguous() if NT
-                      else torch.zeros(0, 2, dtype=torch.int32)).to(device)
-    return ChunkIndex(len(lens), NT, chunk_size, nchunks, offsets, ci.to(device),
-                      torch.tensor(offsets, dtype=torch.int32).to(device), is_varlen, span_table)
+        parts += [cu_t[seq.long()], cu_t[seq.long() + 1]]
+    # chunk_indices [NT, 2], chunk_spans [NT, 2] (when built), chunk_offsets [N + 1]: one buffer, one copy; each
+    # table starts on a 16-byte boundary (as a tensor of its own would)
+    tables = [torch.stack(parts[i:i + 2], 1).reshape(-1) for i in range(0, len(parts), 2)]
+    tables.append(torch.tensor(offsets, dtype=torch.int32))
+    starts, n = [], 0
+    for t in tables:
+        starts.append(n)
+        n += -(-t.numel() // 4) * 4
+    host = torch.zeros(n, dtype=torch.int32)
+    for t, s0 in zip(tables, starts):
+        host[s0:s0 + t.numel()] = t
+    dev = host.to(device)
+    span_table = dev[starts[1]:starts[1] + 2 * NT].view(NT, 2) if len(parts) == 4 else None
+    return ChunkIndex(len(lens), NT, chunk_size, nchunks, offsets, dev[:2 * NT].view(NT, 2),
+                      dev[starts[-1]:starts[-1] + len(offsets)], is_varlen, span_table)
 
 
 class SegmentPlan(NamedTuple):

@@ -510,8 +510,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
                 BV=bv_fused, stages=cfg.state_sm90_stages, h_out=h_out, vnew=vn_out, chunk_offsets=ci.chunk_offsets,
                 transposed=bv_fused == 128, load_warp=bv_fused <= int(cfg.state_sm90_load_warp_bv),
-                scale=output.get("scale", 1.0), pdl=cfg.pdl, row_scalars=output.get("row_scalars"),
-                t_stages=cfg.state_sm90_t_stages)
+                scale=output.get("scale", 1.0), pdl=cfg.pdl, row_scalars=output.get("row_scalars"))
             return
         bv9 = sm90_tile(S * HV) if (not fused and n_extra == 0 and Vd == V) else 0
         if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,

@@ -108,7 +108,7 @@ if G.AVAILABLE:
         q_desc, k_desc, do_desc, vn_desc, dvn_desc, v_desc, ai_desc, h_desc, gs_desc,
         gcum, beta, rq_in, rk_in, dq_v, dk_v, dq_o, dk_o, counts, slot_head, n_groups, dv, dbeta, dg, cu_seqlens,
         chunk_indices, scale, one, T, s_dq, s_dk, s_dv, H: gl.constexpr, HV: gl.constexpr, D: gl.constexpr,
-        USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, num_warps: gl.constexpr, SPANS: gl.constexpr = False,
+        USE_L2: gl.constexpr, IS_VARLEN: gl.constexpr, num_warps: gl.constexpr,
     ):
         """Parts A and B of one (chunk, value head) (module docstring); D = K = V; program id = chunk * HV + value
         head (a key head's value heads side by side). The final dq, dk [B*T, H, K] (token rows s_dq / s_dk elements
@@ -117,20 +117,14 @@ if G.AVAILABLE:
         through GR - 1 slots per (chunk, key head) group in dq_v, dk_v [B*T, H * (GR - 1), K], taken by tickets:
         ``counts`` (int32, zero at launch) holds the tickets of the n_groups = NT * H groups, then their done counts;
         ``slot_head`` [n_groups * (GR - 1)] the value head (in its group) of each written slot; the last of a group
-        sums its value heads in value-head order (so the result does not depend on which one is last). SPANS (varlen):
-        ``cu_seqlens`` is the chunk table's span table (``plan.ChunkIndex.chunk_spans``: (bos, eos) per chunk), read
-        beside ``chunk_indices`` instead of after it."""
+        sums its value heads in value-head order (so the result does not depend on which one is last)."""
         C: gl.constexpr = 64
         GR: gl.constexpr = HV // H
         pid = gl.program_id(0)
         i_t = pid // HV
         i_hv = pid % HV
         i_h = i_hv // GR
-        if IS_VARLEN and SPANS:     # the chunk's sequence span beside its chunk_indices row, not after it
-            c = gl.load(chunk_indices + 2 * i_t + 1)
-            bos = gl.load(cu_seqlens + 2 * i_t)
-            eos = gl.load(cu_seqlens + 2 * i_t + 1)
-        elif IS_VARLEN:
+        if IS_VARLEN:
             n = gl.load(chunk_indices + 2 * i_t)
             c = gl.load(chunk_indices + 2 * i_t + 1)
             bos = gl.load(cu_seqlens + n)
@@ -386,12 +380,11 @@ def _row_stride(x: torch.Tensor) -> int:
 
 
 def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, dk, dv, dbeta, dg, cu_seqlens,
-                 chunk_indices, NT, scale, *, use_l2, chunk_spans=None):
+                 chunk_indices, NT, scale, *, use_l2):
     """Launch the sm_90 parts kernel over NT x HV programs (``supported`` must have said yes); tensors as
     ``parts.chunk_bwd_main``'s (beta contiguous [B, T, HV]). It writes the final dq, dk (q's and k's dtypes; no
     q/k kernel runs after it; dq, dk, dv may be strided views that pass :func:`token_rows_ok`); with HV > H it
-    allocates the slots through which the value heads of a key head are summed (GR - 1 per group). ``chunk_spans``
-    (varlen): ``plan.ChunkIndex.chunk_spans``, read instead of ``cu_seqlens`` (SPANS)."""
+    allocates the slots through which the value heads of a key head are summed (GR - 1 per group)."""
     B, T, H, K = q.shape
     HV = v.shape[2]
     if HV > H:   # the GVA fold's slots (GR - 1 per group: dQ in the dot dtype, dK fp32), tickets and done counts
@@ -402,7 +395,6 @@ def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, 
         slot_head = torch.empty(NT * H * SL, dtype=torch.int32, device=q.device)
     else:        # not read
         dq_v, dk_v, counts, slot_head = dq, dk, g_cum, g_cum
-    spans = cu_seqlens is not None and chunk_spans is not None
     dn = _GL_DT[k.dtype]
     row = lambda x: _desc(_rows2d(x), (CHUNK, K), dn)   # noqa: E731
     flat = lambda x, w: _desc(x.view(B * T, -1), (CHUNK, w), dn)   # noqa: E731
@@ -411,10 +403,9 @@ def launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, 
         row(q), row(k), row(do), flat(v_new, K), flat(dvn, K), row(v), flat(ainv, CHUNK),
         _desc(h.view(-1, K), (K, K), dn), _desc(gs.view(-1, K), (K, K), dn),
         g_cum, beta, rq if rq is not None else ph, rk if rk is not None else ph, dq_v, dk_v, dq, dk, counts,
-        slot_head, NT * H, dv, dbeta, dg,
-        chunk_spans if spans else cu_seqlens if cu_seqlens is not None else chunk_indices, chunk_indices,
+        slot_head, NT * H, dv, dbeta, dg, cu_seqlens if cu_seqlens is not None else chunk_indices, chunk_indices,
         float(scale), 1.0, T, _row_stride(dq), _row_stride(dk), _row_stride(dv), H=H, HV=HV, D=K, USE_L2=use_l2,
-        IS_VARLEN=cu_seqlens is not None, num_warps=8, **({"SPANS": True} if spans else {}))
+        IS_VARLEN=cu_seqlens is not None, num_warps=8)
 
 
 __all__ = ["supported", "launch_parts", "token_rows_ok"]

@@ -314,8 +314,7 @@ def chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_
             and all(hopper_parts.token_rows_ok(x) for x in (dq, dk, dv)):
         # the kernel finishes dq, dk itself (no q/k kernel; with GVA through slots it allocates)
         hopper_parts.launch_parts(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, rq, rk, dq, dk, dv, dbeta, dg,
-                                  cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2,
-                                  chunk_spans=ci.chunk_spans if cfg.parts_sm90_chunk_spans else None)
+                                  cu_seqlens, ci.chunk_indices, NT, scale, use_l2=l2)
         return dq, dk, dv, dbeta, dg
     if out is not None:   # the portable kernels write contiguous [B*T, heads, D] rows
         res = chunk_bwd_main(q, k, v, g_cum, beta, ainv, v_new, dvn, do, h, gs, scale, cu_seqlens, chunk_size,
