@@ -85,25 +85,28 @@ def _build_chunk_indices(cu, T, chunk_size, B, device, spans=False) -> ChunkInde
     seq = torch.repeat_interleave(torch.arange(len(lens), dtype=torch.int32), torch.tensor(nchunks, dtype=torch.int64))
     off = torch.tensor(offsets[:-1], dtype=torch.int32)
     within = torch.arange(NT, dtype=torch.int32) - off[seq.long()] if NT else torch.zeros(0, dtype=torch.int32)
-    parts = [seq, within]
+    tables = [torch.stack([seq, within], 1)]
     if is_varlen and spans:
         cu_t = torch.tensor(cu, dtype=torch.int32)
-        parts += [cu_t[seq.long()], cu_t[seq.long() + 1]]
-    # chunk_indices [NT, 2], chunk_spans [NT, 2] (when built), chunk_offsets [N + 1]: one buffer, one copy; each
-    # table starts on a 16-byte boundary (as a tensor of its own would)
-    tables = [torch.stack(parts[i:i + 2], 1).reshape(-1) for i in range(0, len(parts), 2)]
+        tables.append(torch.stack([cu_t[seq.long()], cu_t[seq.long() + 1]], 1))
     tables.append(torch.tensor(offsets, dtype=torch.int32))
+    chunk_table, *span_table, chunk_offsets = _to_device_at_once(tables, device)
+    return ChunkIndex(len(lens), NT, chunk_size, nchunks, offsets, chunk_table, chunk_offsets, is_varlen,
+                      span_table[0] if span_table else None)
+
+
+def _to_device_at_once(tables, device) -> list:
+    """int32 host tensors -> views of one device buffer, filled by one host-to-device copy; each view starts on a
+    16-byte boundary, as a tensor of its own would."""
     starts, n = [], 0
     for t in tables:
         starts.append(n)
         n += -(-t.numel() // 4) * 4
     host = torch.zeros(n, dtype=torch.int32)
     for t, s0 in zip(tables, starts):
-        host[s0:s0 + t.numel()] = t
+        host[s0:s0 + t.numel()] = t.reshape(-1)
     dev = host.to(device)
-    span_table = dev[starts[1]:starts[1] + 2 * NT].view(NT, 2) if len(parts) == 4 else None
-    return ChunkIndex(len(lens), NT, chunk_size, nchunks, offsets, dev[:2 * NT].view(NT, 2),
-                      dev[starts[-1]:starts[-1] + len(offsets)], is_varlen, span_table)
+    return [dev[s0:s0 + t.numel()].view(t.shape) for t, s0 in zip(tables, starts)]
 
 
 class SegmentPlan(NamedTuple):
