@@ -673,6 +673,54 @@ def test_profile_varlen_packs_the_sequences(monkeypatch):
     assert torch.equal(qp[0], qb.reshape(60, 1, 32))
 
 
+def test_held_scratch_shows_a_peers_process_wide_workspace(monkeypatch):
+    """A peer that keeps a workspace in a process-wide cache between calls (FlashInfer's context-parallel GDN
+    prefill: ``flashinfer.utils._cache_buf``) shows it as ``<impl>_held_MB``: the cache (here holding a larger,
+    earlier row's buffer) is dropped before the row's first call, the row's calls allocate their own again, and the
+    per-call peak, measured after them, sees only the transient scratch; an implementation that holds nothing shows
+    0. Device memory is simulated (a CPU machine)."""
+    import sys
+    import types
+
+    from gdn.benchmark import runners
+    from gdn.benchmark.timing import HostTimer
+
+    MB = 2 ** 20
+    fu = types.ModuleType("flashinfer.utils")
+    fu._cache_buf, fu._cache_buf_retired = {"earlier row": 100 * MB}, [object()]
+    pkg = types.ModuleType("flashinfer")
+    pkg.utils = fu
+    monkeypatch.setitem(sys.modules, "flashinfer", pkg)
+    monkeypatch.setitem(sys.modules, "flashinfer.utils", fu)
+    mem = {"live": 7 * MB, "peak": 0}
+
+    def allocated(*a):
+        return mem["live"] + sum(fu._cache_buf.values())
+
+    def scratch(nbytes):
+        mem["peak"] = max(mem["peak"], allocated() + nbytes)
+
+    def reset_peak(*a):
+        mem["peak"] = allocated()
+
+    def fi_run(i):
+        fu._cache_buf.setdefault("gdn_cp_workspace", 24 * MB)   # kept between calls
+        scratch(4 * MB)                                          # freed by the call
+
+    for name, fn in (("synchronize", lambda *a: None), ("memory_allocated", allocated),
+                     ("reset_peak_memory_stats", reset_peak), ("max_memory_allocated", lambda *a: mem["peak"]),
+                     ("empty_cache", lambda: None)):
+        monkeypatch.setattr(torch.cuda, name, fn)
+    monkeypatch.setattr(runners, "DEVICE_TIME_OPS", ())
+    ctx = runners.Ctx(torch.device("cuda"), HostTimer(target_s=0.0, min_samples=1, max_samples=1))
+    row = {"op": "chunk_fwd", "errors": {}, "notes": [], "timing": {}, "err_detail": {}}
+    impls = [runners.Impl("gdn", run=lambda i: scratch(6 * MB)), runners.Impl("flashinfer", run=fi_run)]
+    runners.measure(row, impls, 1, ctx)
+    assert row["gdn_peak_MB"] == 6 and row["gdn_held_MB"] == 0
+    assert row["flashinfer_peak_MB"] == 4 and row["flashinfer_held_MB"] == 24
+    assert fu._cache_buf_retired == [] and "earlier row" not in fu._cache_buf
+
+
 def test_gpu_session_carries_a_triton_cache(tmp_path, monkeypatch):
     """--triton-cache: the stages run with TRITON_CACHE_DIR set to a folder restored from the given .tgz, and the
     folder's loadable files (metadata, cubin, launcher .so; not the IR) come back as $OUT/triton-cache.tgz."""

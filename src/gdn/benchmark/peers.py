@@ -127,6 +127,26 @@ def flashinfer_prefill():
     return chunk_gated_delta_rule
 
 
+def drop_scratch(name: str) -> None:
+    """Free an implementation's process-wide scratch buffers (after a device synchronize), so that its next calls
+    allocate what they keep between calls where the benchmark sees it (``<impl>_held_MB``). FlashInfer 0.7.2 keeps
+    the workspaces of its GDN prefill's context-parallel path (the per-block inverses, the per-segment transfer and
+    state matrices, the fixed-up states: ``gdn_kernels.delta_rule_dsl.delta_rule_cp_sm90``) in
+    ``flashinfer.utils._cache_buf``, grown to the largest call and never freed (grown-out buffers go to
+    ``_cache_buf_retired``); its kernels take the buffers' addresses per call (nothing cached holds them), so they
+    can be dropped between calls. gdn and fla hold no such buffers."""
+    if name != "flashinfer":
+        return
+    try:
+        import flashinfer.utils as fu
+    except Exception:  # noqa: BLE001 - an absent or changed peer keeps whatever it holds
+        return
+    for attr in ("_cache_buf", "_cache_buf_retired"):
+        cache = getattr(fu, attr, None)
+        if hasattr(cache, "clear"):
+            cache.clear()
+
+
 @contextlib.contextmanager
 def fla_bwd_guard_bypassed():
     """Let fla run its chunked backward where it refuses to (Hopper, Triton >= 3.4 and < 3.7.1, fla issue #640).
@@ -155,5 +175,5 @@ def fla_bwd_guard_bypassed():
 
 
 __all__ = ["PEERS", "PeerInfo", "detect", "short_error", "fla_chunk", "fla_recurrent", "fla_conv", "fla_layer_cls",
-           "flashinfer_decode", "flashinfer_mtp", "flashinfer_prefill", "fla_bwd_guard_bypassed",
+           "flashinfer_decode", "flashinfer_mtp", "flashinfer_prefill", "fla_bwd_guard_bypassed", "drop_scratch",
            "FLA_BWD_GUARD_NOTE"]

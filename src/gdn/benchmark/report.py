@@ -21,7 +21,10 @@ One row per measurement; the fields every row has are ``ROW_FIELDS`` (null where
 - correctness: ``gdn_err``, ``fla_err``, ``flashinfer_err`` (largest relative error of the outputs named in
   ``err_detail``, measured as ``err_what`` says), ``gdn_vs_<peer>`` where full-size outputs were compared;
 - memory (chunk_fwd, chunk_fwd_bwd, layer, on CUDA): ``<impl>_peak_MB``, the peak memory one call allocates above
-  what was allocated before it (scratch, saved activations, outputs);
+  what was allocated before it (scratch, saved activations, outputs); ``<impl>_held_MB``, what the implementation
+  still holds after its calls of the row (process-wide scratch kept between calls, e.g. FlashInfer's context-parallel
+  workspaces, which the per-call peak does not see: its process-wide scratch is dropped before the row's first
+  call); a call's memory is the sum of the two;
 - ``errors`` (implementation -> reason it has no number, e.g. ``NotImplementedError: ...``), ``notes``, ``skipped``.
 """
 from __future__ import annotations

@@ -171,6 +171,25 @@ def peak_extra_mb(run: Callable[[int], object], device) -> Optional[float]:
     return (torch.cuda.max_memory_allocated(device) - base) / 2 ** 20
 
 
+def held_base(name: str, device) -> Optional[int]:
+    """Bytes allocated before an implementation's first call of a row, its process-wide scratch dropped first
+    (:func:`peers.drop_scratch`); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    P.drop_scratch(name)
+    return torch.cuda.memory_allocated(device)
+
+
+def held_mb(base: Optional[int], device) -> Optional[float]:
+    """MB an implementation still holds after its calls of a row (the calls' results dropped): scratch kept between
+    calls in process-wide caches, which ``peak_extra_mb`` (measured after them) does not see."""
+    if base is None or device.type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return max(0.0, (torch.cuda.memory_allocated(device) - base) / 2 ** 20)
+
+
 def measure(row: dict, impls: List[Impl], n_sets: int, ctx: Ctx) -> dict:
     """Check then time each implementation; every failure is recorded in the row, none escapes (except a lost
     CUDA context, which ends the run)."""
@@ -183,6 +202,7 @@ def measure(row: dict, impls: List[Impl], n_sets: int, ctx: Ctx) -> dict:
             continue
         cm = impl.context() if impl.context else contextlib.nullcontext()
         try:
+            base = held_base(name, ctx.device) if row.get("op") in PEAK_OPS else None
             with cm:
                 if impl.check is not None:
                     try:
@@ -199,6 +219,7 @@ def measure(row: dict, impls: List[Impl], n_sets: int, ctx: Ctx) -> dict:
                 row[f"{name}_ms"] = t.median_ms
                 if row.get("op") in PEAK_OPS:
                     row[f"{name}_peak_MB"] = peak_extra_mb(impl.run, ctx.device)
+                    row[f"{name}_held_MB"] = held_mb(base, ctx.device)
                 row["timing"][name] = {"mode": t.mode, "spread": t.spread, "samples": t.samples,
                                        "calls_per_sample": t.calls_per_sample}
                 if row.get("op") in DEVICE_TIME_OPS and not t.mode.startswith("graph"):
