@@ -107,7 +107,7 @@ def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = Fal
         q, k, v, gl, beta, h0, do = _inputs(N, T, H, HV, "cuda")
         cu = {}
         if varlen:
-            q, k, v, gl, beta, do, cu_dev, cu_cpu = _packed(q, k, v, gl, beta, do, True)
+            q, k, v, gl, beta, do, cu_dev, cu_cpu = _packed(q, k, v, gl, beta, do, not forward_only)
             cu = dict(cu_seqlens=cu_dev)
         shape = f"{N}x{T}:{H}/{HV}"
         for name, op in peers.items():
