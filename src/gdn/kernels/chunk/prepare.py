@@ -382,7 +382,7 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
             maxnreg=_sm90_prepare_cap(cfg, q is not None, keep_w, HV > H),
             rq=rq if (store_rq or rq_alone) else None, w=w, solve_f16=f16, flags=flags, pdl=cfg.pdl,
             rq_of=rq_of if rq_alone else None, row_scalars=row_scalars[1:] if row_scalars is not None else None,
-            chunk_spans=ci.chunk_spans if cfg.prepare_sm90_chunk_spans else None)
+            chunk_spans=ci.chunk_spans)   # (built where chunk_fwd.prepare_sm90_chunk_spans asks for it)
         if f16:
             redo_overflowed(flags, k, beta, g_cum, ainv, w, ci, cu_seqlens, T, use_qk_l2norm_in_kernel,
                             pdl=cfg.pdl, packed_pitch=row_scalars[1:3] if row_scalars is not None else None)
