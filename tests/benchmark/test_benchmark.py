@@ -673,6 +673,70 @@ def test_profile_varlen_packs_the_sequences(monkeypatch):
     assert torch.equal(qp[0], qb.reshape(60, 1, 32))
 
 
+def test_profile_flashinfer_runs_the_same_problem(monkeypatch):
+    """``gdn profile --flashinfer``: FlashInfer's prefill (here a float64 stand-in on its conventions: packed rows,
+    linear decay, k-last states, cu_seqlens always) is profiled on the same problem as gdn, batched and varlen alike:
+    its output and final state equal gdn's; without --forward it is not profiled (no backward)."""
+    import gdn.ops
+    import gdn.benchmark.profile as P
+    from gdn.benchmark import peers as PE
+
+    made = P._inputs
+    outs = {}
+    real = gdn.ops.chunk_gated_delta_rule
+
+    def gdn_op(*a, **kw):
+        outs.setdefault("gdn", []).append(real(*a, **kw))
+        return outs["gdn"][-1]
+
+    call = PE.flashinfer_prefill_call
+
+    def fi_call(*a, **kw):
+        outs.setdefault("flashinfer", []).append(call(*a, **kw))
+        return outs["flashinfer"][-1]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gdn.ops, "chunk_gated_delta_rule", gdn_op)
+    monkeypatch.setattr(PE, "flashinfer_prefill", lambda: fake_fi_prefill)
+    monkeypatch.setattr(PE, "flashinfer_prefill_call", fi_call)
+    monkeypatch.setattr(P, "_inputs", lambda N, T, H, HV, device: made(N, T, H, HV, "cpu", K=32, V=32))
+    monkeypatch.setattr(P, "kernel_times", lambda fn, iters: (fn(), [("k", 2.0, 1.0)])[1])
+    for varlen in (False, True):
+        outs.clear()
+        rows = P.run("2x40:1/2", iters=1, forward_only=True, print_fn=lambda *a: None, varlen=varlen,
+                     flashinfer=True)
+        assert [r["peer"] for r in rows] == ["gdn", "flashinfer"]
+        (og, hg), = outs["gdn"]
+        (of, hf), = outs["flashinfer"]
+        assert of.shape == og.shape and hf.shape == hg.shape == (2, 2, 32, 32)
+        assert rel_err(of.float(), og.float()) < 2e-2 and rel_err(hf.float(), hg.float()) < 2e-2
+    outs.clear()
+    rows = P.run("2x40:1/2", iters=1, forward_only=False, print_fn=lambda *a: None, flashinfer=True)
+    assert [r["peer"] for r in rows] == ["gdn"] and "flashinfer" not in outs
+
+
+def test_chunk_reference_is_built_before_the_implementations_run(fakes, monkeypatch):
+    """The chunk rows' float64 reference exists before the first implementation's calls, so that no implementation's
+    ``<impl>_held_MB`` counts it (built lazily by the first check it was all of gdn's "held" on the H200)."""
+    import gdn.reference
+
+    made = []
+    real_ref = gdn.reference.chunk_gated_delta_rule_ref
+    monkeypatch.setattr(gdn.reference, "chunk_gated_delta_rule_ref",
+                        lambda *a, **kw: made.append(1) or real_ref(*a, **kw))
+    real_measure = runners.measure
+    seen = []
+
+    def measure(row, impls, n_sets, ctx):
+        seen.append(len(made))
+        return real_measure(row, impls, n_sets, ctx)
+
+    monkeypatch.setattr(runners, "measure", measure)
+    row = runners.run_case(_case("chunk_fwd", 2, 40, "fp32"), _ctx())
+    assert seen == [1] and len(made) == 1
+    _check_row(row, ["gdn", "fla", "flashinfer"])
+
+
 def test_held_scratch_shows_a_peers_process_wide_workspace(monkeypatch):
     """A peer that keeps a workspace in a process-wide cache between calls (FlashInfer's context-parallel GDN
     prefill: ``flashinfer.utils._cache_buf``) shows it as ``<impl>_held_MB``: the cache (here holding a larger,

@@ -127,6 +127,31 @@ def flashinfer_prefill():
     return chunk_gated_delta_rule
 
 
+def flashinfer_prefill_inputs(q, k, v, g, beta, h0, cu_seqlens=None) -> dict:
+    """gdn's chunked-op inputs in FlashInfer's prefill conventions, for :func:`flashinfer_prefill_call`: q / k
+    [B, T, H, K], v [B, T, HV, V], log-decay ``g`` [B, T, HV], beta [B, T, HV], fp32 v-last h0 [N, HV, K, V],
+    ``cu_seqlens`` over the packed rows (None: the B rows are the sequences) -> packed [total, heads, dim] tensors,
+    the linear decay alpha = exp(g) and beta in fp32, a k-last h0 and int64 cu_seqlens (FlashInfer always takes
+    them). Converted once, outside what a benchmark times."""
+    import torch
+
+    b_, t_ = q.shape[:2]
+    H, K, HV, V = q.shape[2], q.shape[3], v.shape[2], v.shape[3]
+    cu = (torch.arange(0, b_ * t_ + 1, t_, device=q.device, dtype=torch.int64) if cu_seqlens is None
+          else cu_seqlens.to(torch.int64))
+    return dict(q=q.reshape(b_ * t_, H, K), k=k.reshape(b_ * t_, H, K), v=v.reshape(b_ * t_, HV, V),
+                g=g.exp().reshape(b_ * t_, HV).float(), beta=beta.float().reshape(b_ * t_, HV),
+                h0=h0.transpose(-1, -2).contiguous(), cu=cu, shape=(b_, t_))
+
+
+def flashinfer_prefill_call(fi, x: dict, scale=None):
+    """FlashInfer's chunked prefill ``fi`` (:func:`flashinfer_prefill`) on :func:`flashinfer_prefill_inputs`'
+    tensors, L2 norm in the kernel, final state out: (o [B, T, HV, V], ht v-last [N, HV, K, V])."""
+    o, ht = fi(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=scale, initial_state=x["h0"],
+               output_final_state=True, cu_seqlens=x["cu"], use_qk_l2norm_in_kernel=True)
+    return o.reshape(*x["shape"], *o.shape[1:]), ht.transpose(-1, -2)
+
+
 def drop_scratch(name: str) -> None:
     """Free an implementation's process-wide scratch buffers (after a device synchronize), so that its next calls
     allocate what they keep between calls where the benchmark sees it (``<impl>_held_MB``). FlashInfer 0.7.2 keeps
@@ -175,5 +200,5 @@ def fla_bwd_guard_bypassed():
 
 
 __all__ = ["PEERS", "PeerInfo", "detect", "short_error", "fla_chunk", "fla_recurrent", "fla_conv", "fla_layer_cls",
-           "flashinfer_decode", "flashinfer_mtp", "flashinfer_prefill", "fla_bwd_guard_bypassed", "drop_scratch",
-           "FLA_BWD_GUARD_NOTE"]
+           "flashinfer_decode", "flashinfer_mtp", "flashinfer_prefill", "flashinfer_prefill_inputs",
+           "flashinfer_prefill_call", "fla_bwd_guard_bypassed", "drop_scratch", "FLA_BWD_GUARD_NOTE"]

@@ -1,5 +1,5 @@
 """``gdn profile``: the time of every kernel of one chunked forward (+ backward) call, from torch.profiler's CUDA
-kernel records (gdn, and fla with ``--fla`` when importable), or of one cached decode step of the GatedDeltaNet
+kernel records (gdn, and with ``--fla`` / ``--flashinfer`` those peers' when importable), or of one cached decode step of the GatedDeltaNet
 layer (``--layer-decode N``). The tool for an A/B of a tuning field::
 
     gdn profile --shapes 1x32768:16/32,4x4096:16/32 --out $OUT/profile.json
@@ -8,6 +8,7 @@ layer (``--layer-decode N``). The tool for an A/B of a tuning field::
     gdn profile --layer-train 4x4096:16/32 --out $OUT/layer.json    # the layer's forward + backward, idle gaps
     gdn profile --host --forward --shapes 1x8192:16/32,1x8192:8/16 --out $OUT/host.json   # host vs wall per call
     gdn profile --forward --varlen --shapes 4x4096:16/32 --out $OUT/varlen.json   # packed with cu_seqlens
+    gdn profile --forward --varlen --flashinfer --shapes 1x65536:2/8   # FlashInfer's kernels beside gdn's
 
 Inputs per shape ``NxT:H/HV``: bf16 q/k/v/beta, fp32 g, K = V = 128, L2 norm on, fp32 initial and final state; one
 warm-up call, then ``--iters`` profiled calls; prints every kernel's mean time per call (us) and their sum.
@@ -84,10 +85,13 @@ def kernel_times(fn, iters: int):
 
 
 def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = False, out=None, print_fn=print,
-        varlen: bool = False):
+        varlen: bool = False, flashinfer: bool = False):
     """Profile every shape; returns rows ``{peer, shape, mode, total_us, kernels: [{name, us, calls}]}`` (also
     written to ``out`` as JSON when given). ``varlen``: the N sequences packed into one batch row with
-    ``cu_seqlens`` (and its host copy), as serving engines call the op; else a batch of N rows."""
+    ``cu_seqlens`` (and its host copy), as serving engines call the op; else a batch of N rows. ``flashinfer``:
+    FlashInfer's prefill too, forward calls only (it has no backward), on its conventions
+    (:func:`gdn.benchmark.peers.flashinfer_prefill_inputs`, converted before the profiled calls); it always takes
+    cu_seqlens, so its rows are the same whether ``varlen`` or not."""
     import json
 
     from gdn.ops import chunk_gated_delta_rule
@@ -101,6 +105,20 @@ def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = Fal
             peers["fla"] = fla_chunk
         except Exception as e:  # noqa: BLE001 - optional peer
             print_fn(f"fla not importable: {e}")
+    if flashinfer and forward_only:
+        from gdn.benchmark import peers as PE
+
+        try:
+            fi = PE.flashinfer_prefill()
+
+            def fi_op(q, k, v, g, beta, *, fi_x, scale, **_):
+                """FlashInfer on the inputs converted for it before the profiled calls (``fi_x``)."""
+                return PE.flashinfer_prefill_call(fi, fi_x, scale)
+            peers["flashinfer"] = fi_op
+        except Exception as e:  # noqa: BLE001 - optional peer
+            print_fn(f"flashinfer not importable: {e}")
+    elif flashinfer:
+        print_fn("flashinfer: no GDN backward, profiled with --forward only")
     mode = ("fwd" if forward_only else "fwd+bwd") + (" varlen" if varlen else "")
     rows = []
     for (N, T, H, HV) in parse_shapes(shapes):
@@ -113,6 +131,9 @@ def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = Fal
         for name, op in peers.items():
             # (cu_seqlens_cpu for gdn only: fla 0.6 does not take it)
             kw = dict(cu, cu_seqlens_cpu=cu_cpu) if (varlen and name == "gdn") else cu
+            if name == "flashinfer":
+                kw = dict(fi_x=PE.flashinfer_prefill_inputs(q.detach(), k.detach(), v.detach(), gl.detach(),
+                                                            beta.detach(), h0, cu.get("cu_seqlens")))
 
             def step(op=op, kw=kw):
                 with torch.set_grad_enabled(not forward_only):
@@ -301,6 +322,8 @@ def add_arguments(p):
                    help="the N sequences of a shape packed into one row with cu_seqlens, as serving engines call it "
                         "(default: a batch of N rows)")
     p.add_argument("--fla", action="store_true", help="also profile fla's chunked op when importable")
+    p.add_argument("--flashinfer", action="store_true",
+                   help="also profile FlashInfer's chunked prefill when importable (with --forward)")
     p.add_argument("--out", default=None, help="write the rows here (JSON)")
     p.add_argument("--host", action="store_true",
                    help="host time per call (GPU held busy) and wall time per call, varlen as engines call it")
@@ -320,7 +343,7 @@ def main(args) -> int:
     elif args.host:
         host_times(args.shapes, max(args.iters, 10), args.forward, args.out)
     else:
-        run(args.shapes, args.iters, args.forward, args.fla, args.out, varlen=args.varlen)
+        run(args.shapes, args.iters, args.forward, args.fla, args.out, varlen=args.varlen, flashinfer=args.flashinfer)
     return 0
 
 
