@@ -411,6 +411,29 @@ def compile_hopper_fused_t_pass(dtype=None, **flags):
     return compile_gluon(m._chunk_fused_t_sm90_kernel, args, cx)
 
 
+def compile_hopper_segment_t_pass(dtype=None, **flags):
+    """The one-CTA-per-(value head, segment) segment pass (gdn.kernels.chunk.hopper_segments) for one configuration."""
+    import torch
+    from .kernels.chunk import hopper as m
+    from .kernels.chunk import hopper_segments as ms
+
+    dt = dtype or torch.bfloat16
+    B, T, H, HV, K, V = 1, 256, 2, 4, 128, 128
+    k = torch.empty(B, T, H, K, dtype=dt)
+    v = torch.empty(B, T, HV, V, dtype=dt)
+    a = torch.empty(B, T, HV, 64, dtype=dt)
+    dn = m._GL_DT[dt]
+    f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
+    args = dict(k_desc=m._desc(m._rows2d(k), (64, K), dn), v_desc=m._desc(m._rows2d(v), (64, V), dn),
+                a_desc=m._desc(a.reshape(B * T, -1), (64, 64), dn), beta=torch.empty(4, dtype=dt), gcum=f32,
+                rk_in=f32, hloc=f32, trans=f32, segments=i32, cu_seqlens=i32, T=T, s_bb=3, s_bt=3, s_bh=1,
+                s0n=3, s0h=3, s0k=3, s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
+    cx = dict(H=H, HV=HV, K=K, V=V, USE_L2=True, IS_VARLEN=True, NS=2, WREGS=ms.SEG_CHAIN_REGS,
+              LREGS=ms.SEG_LOADER_REGS, num_warps=4)
+    cx.update(flags)
+    return compile_gluon(ms._segment_t_sm90_kernel, args, cx)
+
+
 def compile_hopper_dh_pass(BV=32, NS=2, dtype=None, K=128, **flags):
     """The Hopper reverse pass of the backward (gdn.kernels.chunk.backward.hopper) for one configuration."""
     import torch
@@ -538,6 +561,10 @@ FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=
      for f in (dict(), dict(INIT=1, IS_VARLEN=True, H0_BY_SEG=True, H0_INDEXED=False, HT_INDEXED=False,
                             O_INDEXED=False, STORE_FINAL=False))]
 
+
+# the one-CTA-per-(value head, segment) segment pass (chunk_fwd.state_sm90_segment_t): varlen / batched, with and
+# without the L2 norm, Ainv in its own buffer or packed into o's rows (head pitch 128), with PDL
+SEGMENT_T_CONFIGS = [dict(PDL=True), dict(PDL=True, AP=128), dict(IS_VARLEN=False, USE_L2=False), dict(NS=3)]
 
 FUSED_T_CONFIGS = [dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,
                         USE_L2=False), dict(H0_BY_SEG=True, H0_INDEXED=False, STORE_FINAL=False)]
@@ -699,7 +726,8 @@ def ptxas_notes(compiled) -> "list | None":
 
 
 def wgmma_serialized_problem(notes) -> "str | None":
-    """'' when ptxas keeps a build's asynchronous warpgroup products (wgmma) pipelined, else its C7514 note, from the
+    """'' when ptxas keeps a build's asynchronous warpgroup products (wgmma) pipelined, else its C7514 (or C7512: too
+    few registers) note, from the
     build's :func:`ptxas_notes` (None where those could not be read: None). Where ptxas finds a non-wgmma instruction
     reading an accumulator between a product's issue and its wait (after its own register allocation, so invisible
     in the PTX), it waits after every wgmma of the kernel, which is then a different kernel (the V tile 32 chain with
@@ -707,7 +735,7 @@ def wgmma_serialized_problem(notes) -> "str | None":
     bench/NOTES.md, thirty-first session)."""
     if notes is None:
         return None
-    serial = [ln for ln in notes if "C7514" in ln]
+    serial = [ln for ln in notes if "C7514" in ln or "C7512" in ln]   # (C7512: for want of registers)
     return serial[0] if serial else ""
 
 
@@ -826,6 +854,7 @@ def _compile_hopper() -> int:
     builds = [("state pass", compile_hopper_state_pass, c) for c in HOPPER_CONFIGS]
     builds += [("fused pass", compile_hopper_fused_pass, c) for c in FUSED_CONFIGS]
     builds += [("register-state fused pass", compile_hopper_fused_t_pass, c) for c in FUSED_T_CONFIGS]
+    builds += [("register-state segment pass", compile_hopper_segment_t_pass, c) for c in SEGMENT_T_CONFIGS]
     builds += [("reverse pass", compile_hopper_dh_pass, c) for c in DH_CONFIGS]
     builds += [("parts", compile_hopper_parts, c) for c in PARTS_CONFIGS]
     builds += [("prepare", compile_hopper_prepare, c) for c in PREPARE_CONFIGS]
@@ -834,6 +863,9 @@ def _compile_hopper() -> int:
     def ws_regs(build, cfg):
         if build is compile_hopper_fused_pass:
             return [m.OUTPUT_PARTITION_REGS] + ([m.T_LOADER_REGS] if cfg.get("TMA_WARP", _load_warp(cfg["BV"])) else [])
+        if build is compile_hopper_segment_t_pass:
+            from .kernels.chunk import hopper_segments as ms
+            return [ms.SEG_CHAIN_REGS, ms.SEG_LOADER_REGS]
         if build is compile_hopper_fused_t_pass:
             return ([m.T_PA_CHAIN_REGS, m.T_PA_AUX_REGS, m.T_PA_LOADER_REGS] if cfg.get("PA")
                     else [m.T_CHAIN_REGS, m.T_LOADER_REGS])

@@ -2,6 +2,7 @@
 
 Shapes are tiny: the interpreter runs every program in Python. Each test touches a handful of (chunk, head) pairs.
 """
+import dataclasses
 import importlib.util
 import os
 
@@ -342,27 +343,39 @@ def test_fused_forward_segments_by_the_cost_model(monkeypatch, T, HV, want):
     assert bv in (32, 64) and plan.segmented
     # a free merge and segment pass: segments win wherever a split fits
     with tuning.override("chunk_fwd", state_sm90_merge_cost=0.0, state_sm90_segment_pass_cost=0.0,
-                         state_sm90_segment_pass_cost2=0.0, state_sm90_wide_step_cost=1.0,
-                         state_sm90_segment_fixed_cost=0.0):
+                         state_sm90_segment_pass_cost2=0.0, state_sm90_segment_t_cost=0.0,
+                         state_sm90_wide_step_cost=1.0, state_sm90_segment_fixed_cost=0.0):
         bv, plan = state._fused_segments(ci, HV, 128, 128, dev, plan_segments(ci, 8, dev), tuning.chunk_fwd(dev), 32)
         assert plan.segmented
 
 
-@pytest.mark.parametrize("T, HV, want", [
-    (8192, 8, (64, 16)),        # 4/8: V tile 128 at 16 segments of 8 lost (H100 device time 111.5 -> 122-126 us)
-    (16384, 8, (64, 32)),       # lost there too (191.7 -> 198.2)
-    (32768, 8, (128, 32)),      # 4/8 350.5 -> 339.1 us; 2/8 349.6 -> 330.9
-    (65536, 8, (128, 64)),      # 2/8 666.8 -> 606.6; 4/8 659.4 -> 616.3
-    (16384, 16, (32, None)),    # 8/16: plain kept (327.6; V tile 128 at 8 segments 332.5)
-    (32768, 16, (128, 64)),     # 8/16 642.1 -> 617.4
-    (65536, 16, (128, 128)),    # 8/16 1277.3 -> 1189.2
-    (32768, 32, (32, None)),    # 16/32: the plain pass fits one wave
+@pytest.mark.parametrize("segment_t, T, HV, want", [
+    # the segment pass as four 64-column programs per (segment, head) (H100, bench/results/
+    # fwd_segments_register_state_h100.json)
+    (False, 8192, 8, (64, 16)),     # 4/8: V tile 128 at 16 segments of 8 lost (device time 111.5 -> 122-126 us)
+    (False, 16384, 8, (64, 32)),    # lost there too (191.7 -> 198.2)
+    (False, 32768, 8, (128, 32)),   # 4/8 350.5 -> 339.1 us; 2/8 349.6 -> 330.9
+    (False, 65536, 8, (128, 64)),   # 2/8 666.8 -> 606.6; 4/8 659.4 -> 616.3
+    (False, 16384, 16, (32, None)),  # 8/16: plain kept (327.6; V tile 128 at 8 segments 332.5)
+    (False, 32768, 16, (128, 64)),  # 8/16 642.1 -> 617.4
+    (False, 65536, 16, (128, 128)),  # 8/16 1277.3 -> 1189.2
+    (False, 32768, 32, (32, None)),  # 16/32: the plain pass fits one wave
+    # as one CTA per (value head, segment) (hopper_segments, the default; H200 kernel sums against the plans above,
+    # bench/results/fwd_segment_pass_t_ab_h200.json)
+    (True, 8192, 8, (128, 8)),      # 4/8 106 -> 99 us
+    (True, 8192, 16, (128, 16)),    # 8/16 164 (plain) -> 142
+    (True, 16384, 8, (128, 16)),    # 4/8 187 -> 151
+    (True, 32768, 8, (128, 32)),    # 2/8 289 -> 252, 4/8 288 -> 257
+    (True, 65536, 8, (128, 64)),    # 2/8 530 -> 459, 4/8 526 -> 466
+    (True, 32768, 32, (32, None)),  # 16/32: the plain pass fits one wave
 ])
-def test_fused_forward_segments_register_state_candidate(monkeypatch, T, HV, want):
+def test_fused_forward_segments_register_state_candidate(monkeypatch, segment_t, T, HV, want):
     """With the register-state kernel allowed (``wide``: no h / v_new kept), state._fused_segments also weighs its
     one-wave segments at V tile 128 (``state_sm90_t_step_cost`` per final-pass step): taken for long few-head
     sequences, where the H100 measured it faster (bench/results/fwd_segments_register_state_h100.json), and not for
-    the shorter ones, where it measured slower; without ``wide`` never."""
+    the shorter ones, where it measured slower; without ``wide`` never. With the segment pass as one CTA per (value
+    head, segment) (``state_sm90_segment_t``) the segmented runs cost less and are taken from 1 x 8192 few-head on,
+    as the H200 measured them."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import plan as plan_mod, state
     from gdn.kernels.chunk.plan import plan_segments, prepare_chunk_indices
@@ -371,7 +384,7 @@ def test_fused_forward_segments_register_state_candidate(monkeypatch, T, HV, wan
         monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
     dev = torch.device("cpu")
     ci = prepare_chunk_indices(None, T, 64, 1, device=dev)
-    cfg = tuning.chunk_fwd(dev)
+    cfg = dataclasses.replace(tuning.chunk_fwd(dev), state_sm90_segment_t=segment_t)
     bv, plan = state._fused_segments(ci, HV, 128, 128, dev, plan_segments(ci, 8, dev), cfg, 32, wide=True)
     assert (bv, plan.seg_len if plan.segmented else None) == want
     if bv == 128:
@@ -1091,6 +1104,37 @@ def test_segment_pass_dispatch_sm90(monkeypatch, gluon):
             assert a[8].shape == (3, HV, K, K) and a[9].shape == (3, HV, K, K)    # h0 = trans, ht = hloc
         else:
             assert calls == []
+
+
+@pytest.mark.parametrize("segment_t", [True, False])
+def test_segment_pass_one_cta_per_segment_dispatch_sm90(monkeypatch, segment_t):
+    """chunk_state_pass's segment pass at K = V = 128 in ainv mode where the sm_90 passes are supported (emulated,
+    launches recorded): with ``chunk_fwd.state_sm90_segment_t`` the one-CTA-per-(value head, segment) launch
+    (hopper_segments) takes it, once, with trans [S, HV, K, K] / hloc [S, HV, K, V] and the segment table, and the
+    Gluon state pass's INIT 3 launch does not run; without the field that launch runs instead."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import prepare, state
+
+    seg_calls, init3 = [], []
+    monkeypatch.setattr(state.hopper, "supported", lambda *a, **kw: a[8] == 3)
+    monkeypatch.setattr(state.hopper, "launch_state_pass", lambda grid, *a, **kw: init3.append(grid))
+    monkeypatch.setattr(state.hopper_segments, "segment_t_ok", lambda *a: True)
+    monkeypatch.setattr(state.hopper_segments, "launch_segment_pass_t", lambda *a, **kw: seg_calls.append((a, kw)))
+    B, T, H, HV, K = 1, 5 * 64 + 3, 1, 2, 128
+    x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
+    g_cum, ainv, _, _ = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, None, 64, True, store_wu=False,
+                                                  ainv_dtype=torch.bfloat16)
+    with tuning.override("chunk_fwd", state_sm90_segment_t=segment_t):
+        state.chunk_state_pass(x.k, None, None, g_cum, None, True, None, 64, True, v=x.v, beta=x.beta, ainv=ainv,
+                               segment_chunks=2)
+    if segment_t:
+        (a, kw), = seg_calls
+        assert init3 == []
+        trans, hloc, segments, S = a[6], a[7], a[8], a[11]
+        assert S == 3 and trans.shape == (3, HV, K, K) and hloc.shape == (3, HV, K, K)    # 6 chunks / 2
+        assert segments.shape[0] == 3 and kw["K"] == kw["V"] == K and kw["HV"] == HV
+    else:
+        assert seg_calls == [] and len(init3) == 1
 
 
 @pytest.mark.parametrize("fused_states", [True, False])

@@ -304,7 +304,8 @@ def chunk_sm90_segment_pass(device):
     """Hopper only: the segment pass of segmented runs (local states from zero and transitions, INIT 3) as the Gluon
     state pass against the portable one, on one ragged long sequence with an initial state, forced segments of 4 and
     16 chunks, v_new from Ainv (the fused forward's) and from stored W / U (``chunk_fwd.state_mode`` "wu"): o and the
-    final state, and that the Gluon launch ran."""
+    final state, and that the Gluon launch ran (its one-CTA-per-(value head, segment) form, the default in ainv mode,
+    off). Then that form against it (that sequence and a ragged varlen batch, under three final passes)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
     from ..kernels.chunk import chunk_gated_delta_rule_fwd
@@ -319,7 +320,8 @@ def chunk_sm90_segment_pass(device):
         for seg in (4, 16):
             res = []
             for gluon in (False, True):
-                with override("chunk_fwd", state_mode=mode, segment_chunks=seg, state_sm90_segment_pass=gluon), \
+                with override("chunk_fwd", state_mode=mode, segment_chunks=seg, state_sm90_segment_pass=gluon,
+                              state_sm90_segment_t=False), \
                         _counting_sm90_launches("gdn.kernels.chunk.hopper", "launch_state_pass",
                                                 when=lambda kw: kw.get("INIT") == 3) as calls:
                     o, ht, _ = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, h0, True, None,
@@ -331,6 +333,30 @@ def chunk_sm90_segment_pass(device):
                            0.0 if ran else float("inf"), 0.0),
                     Result("chunk", name + " o vs portable", rel_err(res[1][0], res[0][0]), 4e-3),
                     Result("chunk", name + " final state vs portable", rel_err(res[1][1], res[0][1]), 4e-3)]
+    # the one-CTA-per-(value head, segment) form (hopper_segments, chunk_fwd.state_sm90_segment_t): the sequence above
+    # and a ragged varlen batch (a partial last chunk, sequences of one segment, a 1-token one), with its register-state
+    # final pass reading Ainv packed into o's rows (V tile 128) and with the V tile 64 fused pass
+    lens = [64 * 40 + 17, 1, 64 * 9, 63, 64 * 23 + 63]
+    xv = make_inputs(1, sum(lens), H, HV, K, V, dtype=torch.bfloat16, device=device)
+    cu = _cu(lens, device)
+    h0v = torch.randn(len(lens), HV, K, V, device=device) * 0.5
+    for label, y, hh, cuv in (("1 sequence", x, h0, None), ("varlen", xv, h0v, cu)):
+        for seg, bv in ((4, 128), (16, 64), (8, 0)):
+            res = []
+            for new in (False, True):
+                tune = dict(segment_chunks=seg, state_sm90_segment_t=new, **({"state_sm90_BV": bv} if bv else {}))
+                with override("chunk_fwd", **tune), \
+                        _counting_sm90_launches("gdn.kernels.chunk.hopper_segments", "launch_segment_pass_t") as calls:
+                    o, ht, _ = chunk_gated_delta_rule_fwd(y.q, y.k, y.v, y.g, y.beta, K ** -0.5, hh, True, cuv,
+                                                          use_qk_l2norm_in_kernel=True, return_states=False)
+                res.append((o, ht, calls[0]))
+            name = f"sm90 segment pass, one CTA per (head, segment), {label} seg={seg} final V tile {bv or 'planned'}"
+            ran = res[1][2] == 1 and res[0][2] == 0
+            out += [Result("chunk", f"{name}: launch {'as' if ran else 'NOT as'} asked", 0.0 if ran else float("inf"),
+                           0.0),
+                    Result("chunk", name + " o vs the Gluon state pass", rel_err(res[1][0], res[0][0]), 4e-3),
+                    Result("chunk", name + " final state vs the Gluon state pass", rel_err(res[1][1], res[0][1]),
+                           4e-3)]
     return out
 
 

@@ -154,6 +154,15 @@ class ChunkForward:
     # (segment pass 263 -> 250), 1x32768 4/8 384 -> 371, 1x16384 4/8 214 -> 208; V tile 32 loses (373 us at 2/8)
     state_sm90_segment_pass: bool = True
     state_sm90_segment_BV: int = 64
+    # ... and where K = V = 128 in ainv mode, that segment pass as one CTA per (value head, segment) holding the local
+    # state and the transition transposed in two warpgroups' registers (hopper_segments; FlashInfer's "MN precompute"
+    # layout) instead of (V + K) / state_sm90_segment_BV programs; its chunk step in the cost model's units, one CTA
+    # per SM (state._segmented_cost). H200 forward kernel sums (bench/results/fwd_segment_pass_t_ab_h200.json):
+    # 1x65536 2/8 530 -> 459 us (segment pass 252 -> 181), 1x8192 4/8 106 -> 99, 8/16 164 -> 142 (now segmented),
+    # 1x32768 2/8 289 -> 252, 1x65536 4/8 526 -> 466, 1x16384 4/8 187 -> 151; the cost at 1.3 plans the same, at 2.2
+    # leaves 1x8192 8/16 unsegmented (164)
+    state_sm90_segment_t: bool = True
+    state_sm90_segment_t_cost: float = 1.7
     # sm_90: the fused state + output kernel (V tile 32 / 64) with P and qf formed by its output partition (Q K^T,
     # Q Q^T for r_q, Gamma from g_cum and r_k) instead of read from the prepare kernel, which then reads no q and
     # writes no P: unsegmented plans at V tile >= this

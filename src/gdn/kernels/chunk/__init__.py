@@ -2,6 +2,8 @@
 
 Forward (``forward.py`` ties them): ``prepare.py`` (gate cumsum, K K^T, triangular solve, W / U) -> ``state.py`` (the
 sequential pass over chunks; ``segments.py`` splits long sequences and merges the segment states) -> ``output.py``.
+Hopper (sm_90) forms in Gluon: ``hopper_prepare.py`` (the prepare), ``hopper.py`` (the state pass, alone or with the
+output fused in), ``hopper_segments.py`` (the segment pass of segmented runs, one CTA per (value head, segment)).
 Backward: ``backward/`` (dv_local, the reverse pass, the parallel parts A / B and the q/k kernel). Host planning
 (chunk tables, segment lengths): ``plan.py``; shared helpers: ``common.py``; tuning: the ``chunk_fwd`` and
 ``chunk_bwd`` tables of :mod:`gdn.kernels.tuning`. The public op is :func:`gdn.ops.chunk_gated_delta_rule`; kernel

@@ -647,6 +647,7 @@ if G.AVAILABLE:
         beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr,
         USE_L2: gl.constexpr, NS: gl.constexpr, AP: gl.constexpr, PA: gl.constexpr = False, scale=1.0,
+        MN: gl.constexpr = False,
     ):
         """The register-state kernel's load partition (one warp): chunk c's k, v, Ainv, q and P tiles by TMA into ring
         stage c % NS, and its per-row gates into the stage's gate rows ``gt_s[8 (c % NS) + j]`` (fp32 [64] each;
@@ -657,12 +658,15 @@ if G.AVAILABLE:
         neither issue copies nor wait on global loads. AP: the columns between two value heads' Ainv (and P) tiles
         in their descriptors' rows (64: their own buffers; 128: packed into o's rows, ``launch_fused_pass``). PA: no P
         tile; ``qf`` holds q's L2 row scalings r_q (fp32 [B, T, H]; 1 without the L2 norm), from which this warp
-        writes the qf row (scale r_q e^c) and the P partition's exponent rows 5 (w) and 6 (u) of ``_t_p_steps``."""
+        writes the qf row (scale r_q e^c) and the P partition's exponent rows 5 (w) and 6 (u) of ``_t_p_steps``. MN:
+        the segment pass's loads (``hopper_segments``): k, v and Ainv, gate rows 0, 1, 2 and 4; no q, P or qf."""
         C: gl.constexpr = 64
         i_h = i_hv // (HV // H)
         tok0 = i_b * T
         dt: gl.constexpr = k_desc.dtype
-        if PA:
+        if MN:
+            nbytes: gl.constexpr = (C * K + C * BV + C * C) * (dt.primitive_bitwidth // 8)
+        elif PA:
             nbytes: gl.constexpr = (2 * C * K + C * BV + C * C) * (dt.primitive_bitwidth // 8)
         else:
             nbytes: gl.constexpr = (2 * C * K + C * BV + 2 * C * C) * (dt.primitive_bitwidth // 8)
@@ -678,16 +682,19 @@ if G.AVAILABLE:
             mbarrier.wait(emp.index(s), ((it // NS) & 1) ^ 1, pred=it >= NS)
             _issue_chunk_loads(k_desc, v_desc, a_desc, bars.index(s), k_s.index(s), v_s.index(s), a_s.index(s), row,
                                col_k, col_v, col_a, c < c_end, nbytes)
-            tma_load(q_desc, [row, col_k], bars.index(s), q_s.index(s))
-            if not PA:
-                tma_load(p_desc, [row, col_a], bars.index(s), p_s.index(s))
+            if not MN:
+                tma_load(q_desc, [row, col_k], bars.index(s), q_s.index(s))
+                if not PA:
+                    tma_load(p_desc, [row, col_a], bars.index(s), p_s.index(s))
             # every global load of the chunk's rows issued before any is used: one L2 round trip per chunk on this
             # warp's path, which paces the ring (with the qf / r_q row loaded after the gate rows' stores, two:
             # H200 register-state kernel 4x4096 16/32 184 -> 169 us; bench/NOTES.md)
             g, b, rk, g_last = _chunk_gates(gcum, beta, rk_in, bos + c * C, t1, eos, tok0, i_b, i_h, i_hv, c < c_end,
                                             s_bb, s_bt, s_bh, H, HV, USE_L2)
             rows = bos + c * C + t1
-            if PA:
+            if MN:
+                pass
+            elif PA:
                 if USE_L2:
                     rq = gl.load(qf + (tok0 + rows) * H + i_h, mask=rows < eos, other=0.0) * scale
                 else:
@@ -698,7 +705,9 @@ if G.AVAILABLE:
             gt_s.index(gts).store(gl.exp(g) * rk)
             gt_s.index(gts + 1).store(b)
             gt_s.index(gts + 2).store(gl.exp(g_last - g) * rk)
-            if PA:
+            if MN:
+                pass
+            elif PA:
                 LOG2E: gl.constexpr = 1.4426950408889634
                 gt_s.index(gts + 3).store(rq * gl.exp(g))
                 gt_s.index(gts + 5).store(gl.where(rows < eos, g * LOG2E + gl.log2(rq), float("-inf")))

@@ -18,7 +18,7 @@ from .. import tuning
 from ..common import cdiv, l2_rnorm
 from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _pow2, _rn,
                      _seq_span, _state_row, _strides3)
-from . import hopper
+from . import hopper, hopper_segments
 from .plan import (ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, one_wave_segment_len, one_wave_tile,
                    plan_segments)
 from .segments import merge_segment_states
@@ -207,6 +207,14 @@ def _written_rows(rows: torch.Tensor, read_idx: Optional[torch.Tensor], P_read: 
     return torch.where(ok.view(-1, *([1] * (rows.dim() - 1))), rows, -1).contiguous()
 
 
+def _segment_t(cfg, k, xs, mats, dt, K: int, V: int, split_h: bool, from_ainv: bool = True) -> bool:
+    """Whether a segmented run's segment pass is the one-CTA-per-(value head, segment) form
+    (``hopper_segments``, ``chunk_fwd.state_sm90_segment_t``): the Gluon segment pass would run (:func:`_segment_sm90`)
+    in ainv mode, K = V = 128."""
+    return (bool(cfg.state_sm90_segment_t) and from_ainv and _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h)
+            and hopper_segments.segment_t_ok(k, xs, mats, K, V))
+
+
 def _segment_sm90(cfg, k, xs, mats, dt, K: int, V: int, split_h: bool) -> bool:
     """Whether a segmented run's segment pass (local states and transitions, INIT 3) is the Gluon state pass:
     ``chunk_fwd.state_sm90`` and ``state_sm90_segment_pass``, a launch ``hopper.supported`` takes, a tile dividing V
@@ -365,10 +373,14 @@ def _segmented_cost(ci: ChunkIndex, plan, HV: int, K: int, V: int, bv: int, dev,
     ``state_sm90_merge_cost`` per segment of the longest sequence and ``state_sm90_segment_fixed_cost`` (its two
     launches more)."""
     longest, L = max(ci.nchunks), max(1, plan.seg_len)
-    bvp = int(cfg.state_sm90_segment_BV) if cfg.state_sm90_segment_pass else _state_bv(K, V, dev)
-    per_sm = -(-plan.S * HV * (cdiv(V, bvp) + cdiv(K, bvp)) // _num_sms(dev))
-    seg_step = (float(cfg.state_sm90_segment_pass_cost) if per_sm <= 1
-                else float(cfg.state_sm90_segment_pass_cost2) * (-(-per_sm // 2)))
+    if cfg.state_sm90_segment_t and cfg.state_sm90_segment_pass and K == V == 128:
+        # one CTA per (value head, segment) (hopper_segments), one per SM
+        seg_step = float(cfg.state_sm90_segment_t_cost) * (-(-plan.S * HV // _num_sms(dev)))
+    else:
+        bvp = int(cfg.state_sm90_segment_BV) if cfg.state_sm90_segment_pass else _state_bv(K, V, dev)
+        per_sm = -(-plan.S * HV * (cdiv(V, bvp) + cdiv(K, bvp)) // _num_sms(dev))
+        seg_step = (float(cfg.state_sm90_segment_pass_cost) if per_sm <= 1
+                    else float(cfg.state_sm90_segment_pass_cost2) * (-(-per_sm // 2)))
     fused_step = (1.0 if bv == 32 else float(cfg.state_sm90_wide_step_cost) if bv == 64
                   else float(cfg.state_sm90_t_step_cost))
     return (min(L, longest) * (seg_step + fused_step) + float(cfg.state_sm90_merge_cost) * (-(-longest // L))
@@ -553,7 +565,12 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     vl = _state_strides(hloc, "v_last")
     st = _state_strides(trans, "v_last")
     # one launch: local states (programs 0 .. NV-1) and transition matrices (programs NV .. NV+NK-1)
-    if _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h):
+    if _segment_t(cfg, k, xs, mats, dt, K, V, split_h, from_ainv):
+        # Hopper, K = V = 128: both in one CTA per (value head, segment), transposed in registers (hopper_segments)
+        hopper_segments.launch_segment_pass_t(
+            k, xs, bb, mats, g_cum, rk_arg, trans, hloc, plan.segments, cu, T, S, sb, st, vl, H=H, HV=HV, K=K, V=V,
+            use_l2=l2, is_varlen=ci.is_varlen, stages=cfg.state_sm90_stages, pdl=cfg.pdl)
+    elif _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h):
         # Hopper: as the Gluon state pass (INIT 3)
         bvs = int(cfg.state_sm90_segment_BV)
         hopper.launch_state_pass(
