@@ -163,6 +163,10 @@ class ChunkForward:
     # leaves 1x8192 8/16 unsegmented (164)
     state_sm90_segment_t: bool = True
     state_sm90_segment_t_cost: float = 1.7
+    # ... its chains in FlashInfer's grouping (W = diag(beta) Ainv^T diag(e^(g_last - g) r_k) k once per chunk, two
+    # chained products per matrix instead of three; hopper_segments XFORM). Pending GPU A/B (bench/NOTES.md): built by
+    # gdn.aot on Triton 3.6 and 3.9, not yet checked or timed on a GPU
+    state_sm90_segment_t_xform: bool = False
     # sm_90: the fused state + output kernel (V tile 32 / 64) with P and qf formed by its output partition (Q K^T,
     # Q Q^T for r_q, Gamma from g_cum and r_k) instead of read from the prepare kernel, which then reads no q and
     # writes no P: unsegmented plans at V tile >= this
