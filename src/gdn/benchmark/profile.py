@@ -1,6 +1,6 @@
 """``gdn profile``: the time of every kernel of one chunked forward (+ backward) call, from torch.profiler's CUDA
-kernel records (gdn, and with ``--fla`` / ``--flashinfer`` those peers' when importable), or of one cached decode step of the GatedDeltaNet
-layer (``--layer-decode N``). The tool for an A/B of a tuning field::
+kernel records (gdn, and with ``--fla`` / ``--flashinfer`` those peers' when importable), or of one cached decode
+step of the GatedDeltaNet layer (``--layer-decode N``). The tool for an A/B of a tuning field::
 
     gdn profile --shapes 1x32768:16/32,4x4096:16/32 --out $OUT/profile.json
     GDN_TUNE=chunk_fwd.state_stages=3 gdn profile --forward --out $OUT/profile_stages3.json

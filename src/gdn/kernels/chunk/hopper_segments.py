@@ -14,7 +14,8 @@ one after the other in each warpgroup (the two warpgroups' products interleave o
 This is the layout of FlashInfer's sm_90 context-parallel "MN precompute" (one CTA per (chunk of the sequence,
 head), both [128, 128] matrices transposed in two math warpgroups' registers): 142 us at 1 x 65536 2/8 on the H200
 against 251 us for the Gluon state pass in its segment mode (``hopper._state_steps`` INIT 3: four 64-column
-programs per (segment, head), two CTAs per SM, two waves; bench/NOTES.md). Chosen by ``chunk_fwd.state_sm90_segment_t``.
+programs per (segment, head), two CTAs per SM, two waves) and 181 us for this one (bench/NOTES.md). Chosen by
+``chunk_fwd.state_sm90_segment_t``; ``..._xform`` groups the products as FlashInfer does (pending a GPU A/B).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from . import hopper as HP
 
 # register claims: the second chain partition (its worker registers), the load warp; the first chain partition, the
 # default one, gets 504 - 240 - 24 = 240 (three warpgroups at 168 registers per thread slot: hopper.T_CHAIN_REGS);
-# no spills in the loops (Triton 3.6 and 3.9 builds: 12 B of stack outside them)
+# 12 B of spills in the Triton 3.6 and 3.9 builds (20-36 B with XFORM)
 SEG_CHAIN_REGS = 240
 SEG_LOADER_REGS = 24
 
@@ -223,7 +224,8 @@ def launch_segment_pass_t(k, v, beta, ainv, g_cum, rk, trans, hloc, segments, cu
            k_desc, v_desc, a_desc, beta, g_cum, rk, hloc, trans, segments, cu_seqlens,
            T, *s_beta, *s0, *s1,
            H=H, HV=HV, K=K, V=V, USE_L2=use_l2, IS_VARLEN=is_varlen, NS=stages, WREGS=SEG_CHAIN_REGS,
-           LREGS=SEG_LOADER_REGS, num_warps=4, XFORM=bool(xform), **({"AP": ap} if ap != HP.CHUNK else {}), **pdl_args(pdl, k.device))
+           LREGS=SEG_LOADER_REGS, num_warps=4, XFORM=bool(xform), **({"AP": ap} if ap != HP.CHUNK else {}),
+           **pdl_args(pdl, k.device))
 
 
 __all__ = ["segment_t_ok", "launch_segment_pass_t", "SEG_CHAIN_REGS", "SEG_LOADER_REGS"]
