@@ -39,6 +39,60 @@ if G.AVAILABLE:
     fence_async_shared, warpgroup_mma, warpgroup_mma_wait = G.fence_async_shared, G.warpgroup_mma, G.warpgroup_mma_wait
 
     @gluon.jit
+    def _seg_step(za, zt, kt, at, k_t, v_t, gt_s, gts, e_last, valid, partial, zero, WITH_V: gl.constexpr):
+        """One chunk of one matrix Z^T (S^T with the chunk's values ``v_t``, WITH_V; M^T with v = 0), rows of this
+        warpgroup, ``za`` its register A operand: r^T = (v^T - Z^T k^T diag(e^g r_k)) diag(beta), d^T = r^T Ainv^T
+        diag(e^(g_last - g) r_k), Z^T <- e^(g_last) Z^T + d^T k; ``kt`` / ``at`` are k^T and Ainv^T of the ring stage,
+        ``k_t`` its k tile, ``gts`` its first gate row (``_seg_t_steps``)."""
+        m64: gl.constexpr = zero.type.layout
+        cols: gl.constexpr = gl.SliceLayout(0, m64)
+        opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=m64, k_width=2)
+        dt: gl.constexpr = k_t.dtype
+        kz = warpgroup_mma(za, kt, zero, use_acc=False, is_async=True)
+        if WITH_V:
+            vt = v_t.load(m64)
+        kz, za = warpgroup_mma_wait(0, deps=[kz, za])
+        if WITH_V:
+            r = vt.to(gl.float32) - kz * gt_s.index(gts).load(cols)[None, :]
+            r = r * gt_s.index(gts + 1).load(cols)[None, :]
+        else:
+            r = -(kz * gt_s.index(gts).load(cols)[None, :]) * gt_s.index(gts + 1).load(cols)[None, :]
+        if partial:
+            r = gl.where(valid, r, 0.0)
+        ra = gl.convert_layout(r.to(dt), opA)
+        vn = warpgroup_mma(ra, at, zero, use_acc=False, is_async=True)
+        vn, ra = warpgroup_mma_wait(0, deps=[vn, ra])
+        if partial:
+            vn = gl.where(valid, vn, 0.0)
+        da = gl.convert_layout((vn * gt_s.index(gts + 2).load(cols)[None, :]).to(dt), opA)
+        zt = warpgroup_mma(da, k_t, zt * e_last, is_async=True)
+        zt, da = warpgroup_mma_wait(0, deps=[zt, da])
+        return zt
+
+    @gluon.jit
+    def _seg_w_step(za, zt, kt, x_t, v_t, gt_s, gts, e_last, valid, partial, zero, WITH_V: gl.constexpr):
+        """``_seg_step`` in the W grouping (XFORM): Y^T = v^T - Z^T k^T diag(e^g r_k) (v = 0 without WITH_V), Z^T <-
+        e^(g_last) Z^T + Y^T W with W = ``x_t``."""
+        m64: gl.constexpr = zero.type.layout
+        cols: gl.constexpr = gl.SliceLayout(0, m64)
+        opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=m64, k_width=2)
+        dt: gl.constexpr = x_t.dtype
+        kz = warpgroup_mma(za, kt, zero, use_acc=False, is_async=True)
+        if WITH_V:
+            vt = v_t.load(m64)
+        kz, za = warpgroup_mma_wait(0, deps=[kz, za])
+        if WITH_V:
+            y = vt.to(gl.float32) - kz * gt_s.index(gts).load(cols)[None, :]
+        else:
+            y = -(kz * gt_s.index(gts).load(cols)[None, :])
+        if partial:
+            y = gl.where(valid, y, 0.0)
+        ya = gl.convert_layout(y.to(dt), opA)
+        zt = warpgroup_mma(ya, x_t, zt * e_last, is_async=True)
+        zt, ya = warpgroup_mma_wait(0, deps=[zt, ya])
+        return zt
+
+    @gluon.jit
     def _seg_t_steps(k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end, half,
                      s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                      K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, x_s, XFORM: gl.constexpr):
@@ -81,6 +135,7 @@ if G.AVAILABLE:
             gts = s * 8
             kt = k_s.index(s).permute((1, 0))
             at = a_s.index(s).permute((1, 0))
+            vt_s = v_s.index(s).slice(half * HB, HB, dim=1).permute((1, 0))      # this warpgroup's v^T rows
             valid = ((bos + c * C + to) < eos)[None, :]
             # (the gate rows are read from shared memory where used, not held: 16 registers each in this layout)
             e_last = gl.sum(gt_s.index(gts + 4).slice(0, 1).load(one), axis=0)
@@ -101,57 +156,15 @@ if G.AVAILABLE:
                 x_s.store(xk.to(dt))
                 fence_async_shared()
                 cta_barrier()
-                kst = warpgroup_mma(sa, kt, zero, use_acc=False, is_async=True)
-                vt = v_s.index(s).slice(half * HB, HB, dim=1).permute((1, 0)).load(m64)
-                kst, sa = warpgroup_mma_wait(0, deps=[kst, sa])
-                yt = vt.to(gl.float32) - kst * gt_s.index(gts).load(cols)[None, :]
-                if partial:
-                    yt = gl.where(valid, yt, 0.0)
-                ya = gl.convert_layout(yt.to(dt), opA)
-                st = warpgroup_mma(ya, x_s, st * e_last, is_async=True)
-                st, ya = warpgroup_mma_wait(0, deps=[st, ya])
-                ma = gl.convert_layout(mt.to(dt), opK)
-                kmt = warpgroup_mma(ma, kt, zero, use_acc=False, is_async=True)
-                kmt, ma = warpgroup_mma_wait(0, deps=[kmt, ma])
-                ym = -(kmt * gt_s.index(gts).load(cols)[None, :])
-                if partial:
-                    ym = gl.where(valid, ym, 0.0)
-                yma = gl.convert_layout(ym.to(dt), opA)
-                mt = warpgroup_mma(yma, x_s, mt * e_last, is_async=True)
-                mt, yma = warpgroup_mma_wait(0, deps=[mt, yma])
+                st = _seg_w_step(sa, st, kt, x_s, vt_s, gt_s, gts, e_last, valid, partial, zero, True)
+                mt = _seg_w_step(gl.convert_layout(mt.to(dt), opK), mt, kt, x_s, vt_s, gt_s, gts, e_last, valid,
+                                 partial, zero, False)
             else:
-                # S: r^T = (v^T - S^T k^T diag(e^g r_k)) diag(beta), d^T = r^T Ainv^T diag(e^(g_last - g) r_k), update
-                kst = warpgroup_mma(sa, kt, zero, use_acc=False, is_async=True)
-                vt = v_s.index(s).slice(half * HB, HB, dim=1).permute((1, 0)).load(m64)
-                kst, sa = warpgroup_mma_wait(0, deps=[kst, sa])
-                rt = vt.to(gl.float32) - kst * gt_s.index(gts).load(cols)[None, :]
-                rt = rt * gt_s.index(gts + 1).load(cols)[None, :]
-                if partial:
-                    rt = gl.where(valid, rt, 0.0)
-                ra = gl.convert_layout(rt.to(dt), opA)
-                vnt = warpgroup_mma(ra, at, zero, use_acc=False, is_async=True)
-                vnt, ra = warpgroup_mma_wait(0, deps=[vnt, ra])
-                if partial:
-                    vnt = gl.where(valid, vnt, 0.0)
-                da = gl.convert_layout((vnt * gt_s.index(gts + 2).load(cols)[None, :]).to(dt), opA)
-                st = warpgroup_mma(da, k_s.index(s), st * e_last, is_async=True)
-                st, da = warpgroup_mma_wait(0, deps=[st, da])
-                # M (v = 0) the same way (issuing its first product before S's update is waited for: equal on the H200,
-                # more registers; bench/NOTES.md)
-                ma = gl.convert_layout(mt.to(dt), opK)
-                kmt = warpgroup_mma(ma, kt, zero, use_acc=False, is_async=True)
-                kmt, ma = warpgroup_mma_wait(0, deps=[kmt, ma])
-                rm = -(kmt * gt_s.index(gts).load(cols)[None, :]) * gt_s.index(gts + 1).load(cols)[None, :]
-                if partial:
-                    rm = gl.where(valid, rm, 0.0)
-                rma = gl.convert_layout(rm.to(dt), opA)
-                vnm = warpgroup_mma(rma, at, zero, use_acc=False, is_async=True)
-                vnm, rma = warpgroup_mma_wait(0, deps=[vnm, rma])
-                if partial:
-                    vnm = gl.where(valid, vnm, 0.0)
-                dm = gl.convert_layout((vnm * gt_s.index(gts + 2).load(cols)[None, :]).to(dt), opA)
-                mt = warpgroup_mma(dm, k_s.index(s), mt * e_last, is_async=True)
-                mt, dm = warpgroup_mma_wait(0, deps=[mt, dm])
+                # S, then M (issuing M's first product before S's update is waited for: equal on the H200, more
+                # registers; bench/NOTES.md)
+                st = _seg_step(sa, st, kt, at, k_s.index(s), vt_s, gt_s, gts, e_last, valid, partial, zero, True)
+                mt = _seg_step(gl.convert_layout(mt.to(dt), opK), mt, kt, at, k_s.index(s), vt_s, gt_s, gts, e_last,
+                               valid, partial, zero, False)
             mbarrier.arrive(emp.index(s), count=1)     # this partition is done with stage s and its gate rows
         rs = i_s.to(gl.int64)
         m_vk = (vr[:, None] < V) & (kc[None, :] < K)
