@@ -565,9 +565,6 @@ FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=
 # the one-CTA-per-(value head, segment) segment pass (chunk_fwd.state_sm90_segment_t): varlen / batched, with and
 # without the L2 norm, Ainv in its own buffer or packed into o's rows (head pitch 128), with PDL
 SEGMENT_T_CONFIGS = [dict(PDL=True), dict(PDL=True, AP=128), dict(IS_VARLEN=False, USE_L2=False), dict(NS=3)]
-# ... its chains in FlashInfer's grouping (chunk_fwd.state_sm90_segment_t_xform, pending a GPU A/B)
-SEGMENT_T_CONFIGS += [dict(PDL=True, XFORM=True), dict(PDL=True, AP=128, XFORM=True),
-                      dict(IS_VARLEN=False, USE_L2=False, XFORM=True)]
 
 FUSED_T_CONFIGS = [dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,
                         USE_L2=False), dict(H0_BY_SEG=True, H0_INDEXED=False, STORE_FINAL=False)]

@@ -408,13 +408,15 @@ def test_fused_forward_segments_register_state_candidate(monkeypatch, segment_t,
 def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
     """The fused forward's V tile (state._fused_output_plan) on a 132-SM sm_90 (emulated): the narrowest tile whose
     grid fits one wave (16 only for inference forwards), else the register-state kernel at 128 where no h / v_new is
-    kept, else 64."""
+    kept, else 64. Segmented plans are the tests' above and below (here kept off)."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import hopper, plan as plan_mod, state
     from gdn.kernels.chunk.plan import prepare_chunk_indices
 
     for m in (state, plan_mod):
         monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(tuning, "chunk_fwd", lambda dev, _f=tuning.chunk_fwd: dataclasses.replace(
+        _f(dev), state_sm90_fused_segmented=False))
     monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
     monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (16, 32, 64))
     dev = torch.device("cpu")
@@ -430,6 +432,48 @@ def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
     with tuning.override("chunk_fwd", state_sm90_narrow_bv=0):
         bv, _ = state._fused_output_plan(q, q, v, ci, None, False, tuning.chunk_fwd(dev), states)
         assert bv == (32 if want == 16 else want)
+
+
+@pytest.mark.parametrize("B, T, HV, states, want", [
+    (1, 32768, 32, False, (128, 128)),  # 16/32: four segments (H200 kernel sums 915 -> 881 us)
+    (1, 65536, 32, False, (128, 256)),  # (1795 -> 1718)
+    (1, 16384, 32, False, (32, None)),  # a tie (470 / 467): kept whole
+    (1, 8192, 32, False, (32, None)),   # segments lose (242 -> 256)
+    (1, 8192, 64, False, (64, None)),   # 16/64 (436 -> 467)
+    (1, 32768, 64, False, (64, None)),  # 64/64: no P to save at V tile 64
+    (1, 32768, 32, True, (32, None)),   # the caller keeps h / v_new: no register-state pass, nothing offered
+    (2, 32768, 32, False, (64, None)),  # two sequences: four segments would not fit one wave of final passes
+])
+def test_fused_forward_offers_segments_to_long_sequences(monkeypatch, B, T, HV, states, want):
+    """Where the planner keeps one long sequence over many heads whole (plan.choose_segment_len prices the older
+    segment pass), the fused forward still offers it one-wave segments with the register-state final pass when the
+    segment pass is hopper_segments' (state._fused_segments, ``offered``), priced against the plain pass plus the
+    prepare's P (chunk_fwd.state_sm90_prepare_p_cost); on an emulated 132-SM sm_90, as the H200 measured them."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import hopper, plan as plan_mod, state
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    for m in (state, plan_mod):
+        monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (16, 32, 64))
+    dev = torch.device("cpu")
+    q = torch.empty(B, T, 16, 128, dtype=torch.bfloat16)
+    v = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
+    ci = prepare_chunk_indices(None, T, 64, B, device=dev)
+    cfg = tuning.chunk_fwd(dev)
+    bv, plan = state._fused_output_plan(q, q, v, ci, None, False, cfg, states)
+    assert (bv, plan.seg_len if plan.segmented else None) == want
+    if plan.segmented:
+        assert plan.S * HV <= 132
+        # the older segment pass (four programs per segment and head) is not cheap enough to offer segments
+        bv, plan = state._fused_output_plan(q, q, v, ci, None, False,
+                                            dataclasses.replace(cfg, state_sm90_segment_t=False), states)
+        assert (bv, plan.segmented) == (32, False)
+        # nor is the plain pass without the prepare's P to save
+        bv, plan = state._fused_output_plan(q, q, v, ci, None, False,
+                                            dataclasses.replace(cfg, state_sm90_prepare_p_cost=0.0), states)
+        assert (bv, plan.segmented) == (32, False)
 
 
 @pytest.mark.parametrize("form", ["one sequence", "varlen one sequence", "batch"])
@@ -1110,9 +1154,8 @@ def test_segment_pass_dispatch_sm90(monkeypatch, gluon):
 def test_segment_pass_one_cta_per_segment_dispatch_sm90(monkeypatch, segment_t):
     """chunk_state_pass's segment pass at K = V = 128 in ainv mode where the sm_90 passes are supported (emulated,
     launches recorded): with ``chunk_fwd.state_sm90_segment_t`` the one-CTA-per-(value head, segment) launch
-    (hopper_segments) takes it, once per call, with trans [S, HV, K, K] / hloc [S, HV, K, V], the segment table and
-    ``state_sm90_segment_t_xform`` as its ``xform``, and the Gluon state pass's INIT 3 launch does not run; without
-    the field that launch runs instead."""
+    (hopper_segments) takes it, once per call, with trans [S, HV, K, K] / hloc [S, HV, K, V] and the segment table,
+    and the Gluon state pass's INIT 3 launch does not run; without the field that launch runs instead."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import prepare, state
 
@@ -1125,18 +1168,17 @@ def test_segment_pass_one_cta_per_segment_dispatch_sm90(monkeypatch, segment_t):
     x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
     g_cum, ainv, _, _ = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, None, 64, True, store_wu=False,
                                                   ainv_dtype=torch.bfloat16)
-    for xform in (False, True):
-        with tuning.override("chunk_fwd", state_sm90_segment_t=segment_t, state_sm90_segment_t_xform=xform):
-            state.chunk_state_pass(x.k, None, None, g_cum, None, True, None, 64, True, v=x.v, beta=x.beta,
-                                   ainv=ainv, segment_chunks=2)
+    with tuning.override("chunk_fwd", state_sm90_segment_t=segment_t):
+        state.chunk_state_pass(x.k, None, None, g_cum, None, True, None, 64, True, v=x.v, beta=x.beta,
+                               ainv=ainv, segment_chunks=2)
     if segment_t:
-        (a, kw), (_, kw_x) = seg_calls
-        assert init3 == [] and kw["xform"] is False and kw_x["xform"] is True
+        (a, kw), = seg_calls
+        assert init3 == []
         trans, hloc, segments, S = a[6], a[7], a[8], a[11]
         assert S == 3 and trans.shape == (3, HV, K, K) and hloc.shape == (3, HV, K, K)    # 6 chunks / 2
         assert segments.shape[0] == 3 and kw["K"] == kw["V"] == K and kw["HV"] == HV
     else:
-        assert seg_calls == [] and len(init3) == 2
+        assert seg_calls == [] and len(init3) == 1
 
 
 @pytest.mark.parametrize("fused_states", [True, False])

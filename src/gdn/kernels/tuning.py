@@ -163,10 +163,17 @@ class ChunkForward:
     # leaves 1x8192 8/16 unsegmented (164)
     state_sm90_segment_t: bool = True
     state_sm90_segment_t_cost: float = 1.7
-    # ... its chains in FlashInfer's grouping (W = diag(beta) Ainv^T diag(e^(g_last - g) r_k) k once per chunk, two
-    # chained products per matrix instead of three; hopper_segments XFORM). Pending GPU A/B (bench/NOTES.md): built by
-    # gdn.aot on Triton 3.6 and 3.9, not yet checked or timed on a GPU
-    state_sm90_segment_t_xform: bool = False
+    # ... which makes segments pay for one long sequence over many heads too (16/32 from 1x32768 on), where the
+    # planner keeps it whole (plan.choose_segment_len prices the older segment pass): there the register-state
+    # candidate is offered (state._fused_segments) and taken below this x the plain pass, whose cost includes the
+    # prepare's writing P at V tile 32 (state_sm90_prepare_p_cost per chunk and value head; the register-state pass
+    # forms P itself). H200 kernel sums, segments / plain (bench/results/fwd_segment_plan_16_32_h200.json): 1x32768
+    # 16/32 881 / 915 us (prepare 202 / 260), 1x65536 1718 / 1795; 1x16384 467 / 470 (kept plain); 1x8192 256 / 242.
+    # Above 1 because the modelled segmented step (segment_t_cost + t_step_cost = 4.2 plain steps) is ~5% over the
+    # H200's (2.67 + 2.38 us per chunk, fitted over L = 8 .. 256, against the plain pass's 1.27: 4.0); 1.01 - 1.05
+    # picks exactly the faster of those four
+    state_sm90_segment_t_gain: float = 1.03
+    state_sm90_prepare_p_cost: float = 0.0028
     # sm_90: the fused state + output kernel (V tile 32 / 64) with P and qf formed by its output partition (Q K^T,
     # Q Q^T for r_q, Gamma from g_cum and r_k) instead of read from the prepare kernel, which then reads no q and
     # writes no P: unsegmented plans at V tile >= this

@@ -15,7 +15,8 @@ This is the layout of FlashInfer's sm_90 context-parallel "MN precompute" (one C
 head), both [128, 128] matrices transposed in two math warpgroups' registers): 142 us at 1 x 65536 2/8 on the H200
 against 251 us for the Gluon state pass in its segment mode (``hopper._state_steps`` INIT 3: four 64-column
 programs per (segment, head), two CTAs per SM, two waves) and 181 us for this one (bench/NOTES.md). Chosen by
-``chunk_fwd.state_sm90_segment_t``; ``..._xform`` groups the products as FlashInfer does (pending a GPU A/B).
+``chunk_fwd.state_sm90_segment_t``. FlashInfer's grouping of the same terms (W = diag(beta) Ainv^T diag(e^(g_last -
+g) r_k) k once per chunk, two chained products per matrix) was 2-5% slower here (bench/NOTES.md, Tried and lost).
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from . import hopper as HP
 
 # register claims: the second chain partition (its worker registers), the load warp; the first chain partition, the
 # default one, gets 504 - 240 - 24 = 240 (three warpgroups at 168 registers per thread slot: hopper.T_CHAIN_REGS);
-# 12 B of spills in the Triton 3.6 and 3.9 builds (20-36 B with XFORM)
+# 12 B of spills in the Triton 3.6 and 3.9 builds
 SEG_CHAIN_REGS = 240
 SEG_LOADER_REGS = 24
 
@@ -70,39 +71,13 @@ if G.AVAILABLE:
         return zt
 
     @gluon.jit
-    def _seg_w_step(za, zt, kt, x_t, v_t, gt_s, gts, e_last, valid, partial, zero, WITH_V: gl.constexpr):
-        """``_seg_step`` in the W grouping (XFORM): Y^T = v^T - Z^T k^T diag(e^g r_k) (v = 0 without WITH_V), Z^T <-
-        e^(g_last) Z^T + Y^T W with W = ``x_t``."""
-        m64: gl.constexpr = zero.type.layout
-        cols: gl.constexpr = gl.SliceLayout(0, m64)
-        opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=m64, k_width=2)
-        dt: gl.constexpr = x_t.dtype
-        kz = warpgroup_mma(za, kt, zero, use_acc=False, is_async=True)
-        if WITH_V:
-            vt = v_t.load(m64)
-        kz, za = warpgroup_mma_wait(0, deps=[kz, za])
-        if WITH_V:
-            y = vt.to(gl.float32) - kz * gt_s.index(gts).load(cols)[None, :]
-        else:
-            y = -(kz * gt_s.index(gts).load(cols)[None, :])
-        if partial:
-            y = gl.where(valid, y, 0.0)
-        ya = gl.convert_layout(y.to(dt), opA)
-        zt = warpgroup_mma(ya, x_t, zt * e_last, is_async=True)
-        zt, ya = warpgroup_mma_wait(0, deps=[zt, ya])
-        return zt
-
-    @gluon.jit
     def _seg_t_steps(k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end, half,
                      s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-                     K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, x_s, XFORM: gl.constexpr):
+                     K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr):
         """One warpgroup's 64 rows (``half``) of S^T and of M^T over the segment's chunks (module docstring); the
         stage's tiles and gate rows come from ``_t_loader`` (rows 0 e^g r_k, 1 beta, 2 e^(g_last - g) r_k, 4
         e^(g_last)); the stage is released on ``emp``. Then S^T -> hloc[i_s] (strides s1*), M^T -> trans[i_s] (s0*),
-        each as the [K, *] state its transpose is. XFORM: the update folded as FlashInfer's MN kernel folds it, W =
-        diag(beta) Ainv^T diag(e^(g_last - g) r_k) k formed once per chunk into ``x_s`` (this partition's [C, K] tile),
-        then Z^T <- e^(g_last) Z^T + (v^T - Z^T k^T diag(e^g r_k)) W for Z = S, M (v = 0): two chained products per
-        matrix and one for W, against three per matrix (the same terms, grouped otherwise)."""
+        each as the [K, *] state its transpose is."""
         C: gl.constexpr = 64
         HB: gl.constexpr = 64
         dt: gl.constexpr = k_s.dtype
@@ -139,32 +114,11 @@ if G.AVAILABLE:
             valid = ((bos + c * C + to) < eos)[None, :]
             # (the gate rows are read from shared memory where used, not held: 16 registers each in this layout)
             e_last = gl.sum(gt_s.index(gts + 4).slice(0, 1).load(one), axis=0)
-            if XFORM:
-                # W = diag(beta) Ainv^T diag(e^(g_last - g) r_k) k [C, K], this warpgroup's copy in shared memory;
-                # then per matrix (Z^T = S^T or M^T) Y^T = v^T - (Z^T k^T) diag(e^g r_k), Z^T <- e^(g_last) Z^T + Y^T W:
-                # two chained products instead of three
-                rows: gl.constexpr = gl.SliceLayout(1, m64)
-                ti = gl.arange(0, C, layout=rows)
-                xa = a_s.index(s).permute((1, 0)).load(m64).to(gl.float32)
-                xa = xa * gt_s.index(gts + 1).load(rows)[:, None] * gt_s.index(gts + 2).load(cols)[None, :]
-                if partial:
-                    xa = gl.where(((bos + c * C + ti) < eos)[:, None] & valid, xa, 0.0)
-                xo = gl.convert_layout(xa.to(dt), opA)
-                xk = warpgroup_mma(xo, k_s.index(s), gl.zeros([C, K], gl.float32, layout=mK), use_acc=False,
-                                   is_async=True)
-                xk, xo = warpgroup_mma_wait(0, deps=[xk, xo])
-                x_s.store(xk.to(dt))
-                fence_async_shared()
-                cta_barrier()
-                st = _seg_w_step(sa, st, kt, x_s, vt_s, gt_s, gts, e_last, valid, partial, zero, True)
-                mt = _seg_w_step(gl.convert_layout(mt.to(dt), opK), mt, kt, x_s, vt_s, gt_s, gts, e_last, valid,
-                                 partial, zero, False)
-            else:
-                # S, then M (issuing M's first product before S's update is waited for: equal on the H200, more
-                # registers; bench/NOTES.md)
-                st = _seg_step(sa, st, kt, at, k_s.index(s), vt_s, gt_s, gts, e_last, valid, partial, zero, True)
-                mt = _seg_step(gl.convert_layout(mt.to(dt), opK), mt, kt, at, k_s.index(s), vt_s, gt_s, gts, e_last,
-                               valid, partial, zero, False)
+            # S, then M (issuing M's first product before S's update is waited for: equal on the H200, more
+            # registers; bench/NOTES.md)
+            st = _seg_step(sa, st, kt, at, k_s.index(s), vt_s, gt_s, gts, e_last, valid, partial, zero, True)
+            mt = _seg_step(gl.convert_layout(mt.to(dt), opK), mt, kt, at, k_s.index(s), vt_s, gt_s, gts, e_last,
+                           valid, partial, zero, False)
             mbarrier.arrive(emp.index(s), count=1)     # this partition is done with stage s and its gate rows
         rs = i_s.to(gl.int64)
         m_vk = (vr[:, None] < V) & (kc[None, :] < K)
@@ -179,13 +133,12 @@ if G.AVAILABLE:
         T, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, USE_L2: gl.constexpr,
         IS_VARLEN: gl.constexpr, NS: gl.constexpr, WREGS: gl.constexpr, LREGS: gl.constexpr,
-        num_warps: gl.constexpr, PDL: gl.constexpr = False, AP: gl.constexpr = 64, XFORM: gl.constexpr = False,
+        num_warps: gl.constexpr, PDL: gl.constexpr = False, AP: gl.constexpr = 64,
     ):
         """The segment pass, one CTA per (value head ``program_id(0)``, segment ``program_id(1)``): two chain
         partitions (``_seg_t_steps``, 64 rows of S^T and M^T each) and the load warp (``hopper._t_loader`` in MN
         mode) side by side. AP: the columns between two value heads' Ainv tiles (64: its own buffer; 128: packed
-        into o's rows, as the segmented register-state run's prepare writes it). XFORM: ``_seg_t_steps``' (a [C, K]
-        tile more per partition in shared memory)."""
+        into o's rows, as the segmented register-state run's prepare writes it)."""
         C: gl.constexpr = 64
         pdl_enter(PDL)
         i_hv = gl.program_id(0)
@@ -199,16 +152,15 @@ if G.AVAILABLE:
         emp = gl.allocate_shared_memory(gl.int64, [NS, 1], mbarrier.MBarrierLayout())
         gt_s = gl.allocate_shared_memory(gl.float32, [NS * 8, C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         kz = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        x_s = gl.allocate_shared_memory(dt, [2 if XFORM else 1, C, K], k_desc.layout)
         mbarrier.init(kz, count=2)
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=2)      # the TMA's expect-arrive and the gate rows' arrive
             mbarrier.init(emp.index(j), count=2)       # the two chain partitions
         gl.warp_specialize([
             (_seg_t_steps, (k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end, 0,
-                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS, x_s.index(0), XFORM)),
+                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS)),
             (_seg_t_steps, (k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end, 1,
-                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS, x_s.index(1 if XFORM else 0), XFORM)),
+                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS)),
             (HP._t_loader, (k_desc, v_desc, a_desc, k_desc, a_desc, k_s, v_s, a_s, k_s, a_s, bars, emp, gt_s,
                             beta, gcum, rk_in, gcum, 0, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
                             H, HV, K, V, V, USE_L2, NS, AP, False, 1.0, True)),
@@ -223,11 +175,10 @@ def segment_t_ok(k: torch.Tensor, v: torch.Tensor, ainv: torch.Tensor, K: int, V
 
 
 def launch_segment_pass_t(k, v, beta, ainv, g_cum, rk, trans, hloc, segments, cu_seqlens, T, S, s_beta, s0, s1, *,
-                          H, HV, K, V, use_l2, is_varlen, stages=2, pdl=False, xform=False):
+                          H, HV, K, V, use_l2, is_varlen, stages=2, pdl=False):
     """Launch the segment pass over (HV, S): local states -> ``hloc`` [S, HV, K, V], transitions -> ``trans``
     [S, HV, K, K] (fp32, with their strides ``s1`` / ``s0``), from k, v, beta, Ainv (its own buffer or o's rows at
-    pitch 128), g_cum and the L2 row scalings ``rk`` (``segment_t_ok`` must have said yes). ``xform``: the chains'
-    XFORM form."""
+    pitch 128), g_cum and the L2 row scalings ``rk`` (``segment_t_ok`` must have said yes)."""
     dn = HP._GL_DT[k.dtype]
     k_desc = HP._desc(HP._rows2d(k), (HP.CHUNK, K), dn)
     v_desc = HP._desc(HP._rows2d(v), (HP.CHUNK, V), dn)
@@ -237,7 +188,7 @@ def launch_segment_pass_t(k, v, beta, ainv, g_cum, rk, trans, hloc, segments, cu
            k_desc, v_desc, a_desc, beta, g_cum, rk, hloc, trans, segments, cu_seqlens,
            T, *s_beta, *s0, *s1,
            H=H, HV=HV, K=K, V=V, USE_L2=use_l2, IS_VARLEN=is_varlen, NS=stages, WREGS=SEG_CHAIN_REGS,
-           LREGS=SEG_LOADER_REGS, num_warps=4, XFORM=bool(xform), **({"AP": ap} if ap != HP.CHUNK else {}),
+           LREGS=SEG_LOADER_REGS, num_warps=4, **({"AP": ap} if ap != HP.CHUNK else {}),
            **pdl_args(pdl, k.device))
 
 

@@ -325,13 +325,20 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
         # 271 -> 242 us, 8x2048 275 -> 247, 4x4096 16/64 564 -> 506; bench/NOTES.md)
         bv = 128
     forced = (segment_chunks if segment_chunks is not None else cfg.segment_chunks) or cfg.state_sm90_BV
-    if plan.segmented and cfg.state_sm90_fused_segmented and not forced:
+    wide = bool(cfg.state_sm90_fused_t and not states and hopper.transposed_ok(K, V, 128, None, None))
+    # the one-CTA segment pass (hopper_segments) is cheaper than the portable planner's model of a segment pass, so
+    # where it runs, one long sequence over many heads is offered to the cost model too (H200 kernel sums, segments
+    # forced / plain, bench/results/fwd_segment_plan_16_32_h200.json: 1x32768 16/32 915 -> 881 us, 1x65536 1795 ->
+    # 1718; 1x16384 470 / 467; 1x8192 242 -> 256 and 16/64 436 -> 467, which the model keeps plain)
+    offer = (not plan.segmented and wide and _segment_t_pass(cfg, K, V) and sm90_tile(ci.N * HV)
+             and max(ci.nchunks) >= int(cfg.segment_min_chunks))
+    if (plan.segmented or offer) and cfg.state_sm90_fused_segmented and not forced:
         # segmented plans (long sequences, few heads): segments re-planned so that the fused final pass fits one wave
         # (with the planner's segments its grid took several: gdn bench 1x8192 8/16 0.63 -> 1.15 ms, H200), at the
-        # V tile the cost model prefers, or no segments where they do not pay
-        bv, plan = _fused_segments(ci, HV, K, V, dev, plan, cfg, sm90_tile(ci.N * HV),
-                                   wide=bool(cfg.state_sm90_fused_t and not states
-                                             and hopper.transposed_ok(K, V, 128, None, None)))
+        # V tile the cost model prefers, or no segments where they do not pay; offered ones: the register-state
+        # candidate alone, below state_sm90_segment_t_gain x the plain pass
+        bv, plan = _fused_segments(ci, HV, K, V, dev, plan, cfg, sm90_tile(ci.N * HV), wide=wide,
+                                   offered=bool(offer))
     narrow = int(cfg.state_sm90_narrow_bv)
     if (bv == 32 and not states and not forced and not plan.segmented and 0 < narrow < bv and K == 128
             and one_wave_tile(plan.S * HV, V, dev, (narrow,))):
@@ -345,16 +352,19 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
     return (bv, plan) if ok else (0, None)
 
 
-def _fused_segments(ci: ChunkIndex, HV: int, K: int, V: int, dev, plan, cfg, plain_bv: int, wide: bool = False):
+def _fused_segments(ci: ChunkIndex, HV: int, K: int, V: int, dev, plan, cfg, plain_bv: int, wide: bool = False,
+                    offered: bool = False):
     """(V tile, segment plan) of the fused forward where the planner segments: the cheapest of the plain fused pass
     over whole sequences (V tile ``plain_bv``; 0: its grid does not fit one wave, not a candidate) and, at V tile 32
     and 64 (and 128, the register-state kernel, when ``wide``: the caller keeps no h / v_new), the segmented run whose
     final pass fits one wave (:func:`_one_wave_len`), by :func:`_segmented_cost`; segments only below
-    ``segment_gain`` x the plain pass. (0, plan) where there is no candidate."""
-    longest = max(ci.nchunks)
-    best = (float(cfg.segment_gain) * longest, plain_bv, plan_segments(ci, None, dev)) if plain_bv else None
-    for bv in (32, 64, 128) if wide else (32, 64):
-        L = _one_wave_len(ci, HV, V, bv, dev, plan.seg_len)
+    ``segment_gain`` x the plain pass (:func:`_plain_cost`). ``offered`` (the planner keeps the sequences whole, the
+    segment pass is hopper_segments'): the register-state candidate alone, below ``state_sm90_segment_t_gain`` x
+    the plain pass. (0, plan) where there is no candidate."""
+    gain = float(cfg.state_sm90_segment_t_gain if offered else cfg.segment_gain)
+    best = (gain * _plain_cost(ci, HV, plain_bv, cfg), plain_bv, plan_segments(ci, None, dev)) if plain_bv else None
+    for bv in (128,) if offered else (32, 64, 128) if wide else (32, 64):
+        L = _one_wave_len(ci, HV, V, bv, dev, plan.seg_len or int(cfg.segment_min_len))
         if not L:
             continue
         seg_plan = plan_segments(ci, L, dev)
@@ -362,6 +372,21 @@ def _fused_segments(ci: ChunkIndex, HV: int, K: int, V: int, dev, plan, cfg, pla
         if best is None or cost < best[0]:
             best = (cost, bv, seg_plan)
     return (best[1], best[2]) if best is not None else (0, plan)
+
+
+def _segment_t_pass(cfg, K: int, V: int) -> bool:
+    """Whether a segmented run's segment pass is the one-CTA-per-(value head, segment) kernel (hopper_segments)."""
+    return bool(cfg.state_sm90_segment_t and cfg.state_sm90_segment_pass and K == V == 128)
+
+
+def _plain_cost(ci: ChunkIndex, HV: int, bv: int, cfg) -> float:
+    """Modelled time of the plain fused pass over whole sequences at V tile ``bv`` (one wave), in the units of
+    :func:`_segmented_cost`: a step per chunk of the longest sequence (``state_sm90_wide_step_cost`` at V tile 64),
+    plus, below V tile ``state_sm90_p_in_kernel_bv``, the prepare's writing P (``state_sm90_prepare_p_cost`` per
+    chunk and value head; a segmented run's register-state pass forms P itself)."""
+    step = float(cfg.state_sm90_wide_step_cost) if bv >= 64 else 1.0
+    p = float(cfg.state_sm90_prepare_p_cost) * sum(ci.nchunks) * HV if bv < int(cfg.state_sm90_p_in_kernel_bv) else 0.0
+    return max(ci.nchunks) * step + p
 
 
 def _segmented_cost(ci: ChunkIndex, plan, HV: int, K: int, V: int, bv: int, dev, cfg) -> float:
@@ -373,7 +398,7 @@ def _segmented_cost(ci: ChunkIndex, plan, HV: int, K: int, V: int, bv: int, dev,
     ``state_sm90_merge_cost`` per segment of the longest sequence and ``state_sm90_segment_fixed_cost`` (its two
     launches more)."""
     longest, L = max(ci.nchunks), max(1, plan.seg_len)
-    if cfg.state_sm90_segment_t and cfg.state_sm90_segment_pass and K == V == 128:
+    if _segment_t_pass(cfg, K, V):
         # one CTA per (value head, segment) (hopper_segments), one per SM
         seg_step = float(cfg.state_sm90_segment_t_cost) * (-(-plan.S * HV // _num_sms(dev)))
     else:
@@ -569,8 +594,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         # Hopper, K = V = 128: both in one CTA per (value head, segment), transposed in registers (hopper_segments)
         hopper_segments.launch_segment_pass_t(
             k, xs, bb, mats, g_cum, rk_arg, trans, hloc, plan.segments, cu, T, S, sb, st, vl, H=H, HV=HV, K=K, V=V,
-            use_l2=l2, is_varlen=ci.is_varlen, stages=cfg.state_sm90_stages, pdl=cfg.pdl,
-            xform=cfg.state_sm90_segment_t_xform)
+            use_l2=l2, is_varlen=ci.is_varlen, stages=cfg.state_sm90_stages, pdl=cfg.pdl)
     elif _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h):
         # Hopper: as the Gluon state pass (INIT 3)
         bvs = int(cfg.state_sm90_segment_BV)
