@@ -399,6 +399,8 @@ def test_fused_forward_segments_register_state_candidate(monkeypatch, segment_t,
     (4, 4096, 16, 32, True, 64),     # the caller keeps h / v_new: the hand-off kernel at V tile 64
     (1, 8192, 16, 32, False, 32),    # one wave at V tile 32
     (1, 32768, 64, 64, False, 64),   # one wave at V tile 64
+    (1, 8192, 16, 64, False, 64),    # ... with key heads shared too (chunk_fwd.state_sm90_t_gva_min: the test below)
+    (2, 8192, 16, 32, False, 64),
     (1, 8192, 8, 16, False, 16),     # few heads: 128 CTAs at V tile 16 (chunk_fwd.state_sm90_narrow_bv)
     (1, 32768, 8, 16, False, 16),
     (1, 8192, 8, 16, True, 32),      # the caller keeps h / v_new: not narrowed
@@ -434,17 +436,17 @@ def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
         assert bv == (32 if want == 16 else want)
 
 
-@pytest.mark.parametrize("B, T, HV, states, want", [
-    (1, 32768, 32, False, (128, 128)),  # 16/32: four segments (H200 kernel sums 915 -> 881 us)
-    (1, 65536, 32, False, (128, 256)),  # (1795 -> 1718)
-    (1, 16384, 32, False, (32, None)),  # a tie (470 / 467): kept whole
-    (1, 8192, 32, False, (32, None)),   # segments lose (242 -> 256)
-    (1, 8192, 64, False, (64, None)),   # 16/64 (436 -> 467)
-    (1, 32768, 64, False, (64, None)),  # 64/64: no P to save at V tile 64
-    (1, 32768, 32, True, (32, None)),   # the caller keeps h / v_new: no register-state pass, nothing offered
-    (2, 32768, 32, False, (64, None)),  # two sequences: four segments would not fit one wave of final passes
+@pytest.mark.parametrize("B, T, H, HV, states, want", [
+    (1, 32768, 16, 32, False, (128, 128)),  # 16/32: four segments (H200 kernel sums 915 -> 881 us)
+    (1, 65536, 16, 32, False, (128, 256)),  # (1795 -> 1718)
+    (1, 16384, 16, 32, False, (32, None)),  # a tie (470 / 467): kept whole
+    (1, 8192, 16, 32, False, (32, None)),   # segments lose (242 -> 256)
+    (1, 8192, 16, 64, False, (64, None)),   # 16/64: segments lose (436 -> 467)
+    (1, 32768, 64, 64, False, (64, None)),  # 64/64: no P to save at V tile 64
+    (1, 32768, 16, 32, True, (32, None)),   # the caller keeps h / v_new: no register-state pass, nothing offered
+    (2, 32768, 16, 32, False, (64, None)),  # two sequences: no one-wave segments
 ])
-def test_fused_forward_offers_segments_to_long_sequences(monkeypatch, B, T, HV, states, want):
+def test_fused_forward_offers_segments_to_long_sequences(monkeypatch, B, T, H, HV, states, want):
     """Where the planner keeps one long sequence over many heads whole (plan.choose_segment_len prices the older
     segment pass), the fused forward still offers it one-wave segments with the register-state final pass when the
     segment pass is hopper_segments' (state._fused_segments, ``offered``), priced against the plain pass plus the
@@ -458,7 +460,7 @@ def test_fused_forward_offers_segments_to_long_sequences(monkeypatch, B, T, HV, 
     monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
     monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (16, 32, 64))
     dev = torch.device("cpu")
-    q = torch.empty(B, T, 16, 128, dtype=torch.bfloat16)
+    q = torch.empty(B, T, H, 128, dtype=torch.bfloat16)
     v = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
     ci = prepare_chunk_indices(None, T, 64, B, device=dev)
     cfg = tuning.chunk_fwd(dev)
@@ -474,6 +476,38 @@ def test_fused_forward_offers_segments_to_long_sequences(monkeypatch, B, T, HV, 
         bv, plan = state._fused_output_plan(q, q, v, ci, None, False,
                                             dataclasses.replace(cfg, state_sm90_prepare_p_cost=0.0), states)
         assert (bv, plan.segmented) == (32, False)
+
+
+@pytest.mark.parametrize("B, T, H, HV, states, want", [
+    (1, 8192, 16, 64, False, (128, 64)),  # 4 value heads per key head: 64 CTAs at V tile 128 (field on / off)
+    (1, 8192, 32, 64, False, (128, 64)),  # 2
+    (2, 8192, 16, 32, False, (128, 64)),
+    (1, 8192, 64, 64, False, (64, 64)),   # none shared
+    (1, 8192, 16, 64, True, (64, 64)),    # the caller keeps h / v_new: no register-state kernel
+    (1, 8192, 16, 32, False, (32, 32)),   # one wave at V tile 32 already
+    (4, 4096, 16, 32, False, (128, 128)),  # past one wave at 64: the register-state kernel anyway
+])
+def test_fused_forward_register_state_for_shared_key_heads(monkeypatch, B, T, H, HV, states, want):
+    """chunk_fwd.state_sm90_t_gva_min (pending, off by default): an unsegmented plan whose one-wave tile is V tile 64
+    takes the register-state kernel (V tile 128, half the CTAs) where value heads per key head reach the field;
+    on an emulated 132-SM sm_90."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import hopper, plan as plan_mod, state
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    for m in (state, plan_mod):
+        monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (16, 32, 64))
+    dev = torch.device("cpu")
+    q = torch.empty(B, T, H, 128, dtype=torch.bfloat16)
+    v = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
+    ci = prepare_chunk_indices(None, T, 64, B, device=dev)
+    cfg = dataclasses.replace(tuning.chunk_fwd(dev), state_sm90_fused_segmented=False, state_sm90_narrow_bv=0)
+    for gva_min, expect in zip((2, 0), want):
+        bv, plan = state._fused_output_plan(q, q, v, ci, None, False,
+                                            dataclasses.replace(cfg, state_sm90_t_gva_min=gva_min), states)
+        assert bv == expect and not plan.segmented
 
 
 @pytest.mark.parametrize("form", ["one sequence", "varlen one sequence", "batch"])

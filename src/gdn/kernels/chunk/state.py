@@ -339,6 +339,13 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
         # candidate alone, below state_sm90_segment_t_gain x the plain pass
         bv, plan = _fused_segments(ci, HV, K, V, dev, plan, cfg, sm90_tile(ci.N * HV), wide=wide,
                                    offered=bool(offer))
+    gva_t = int(cfg.state_sm90_t_gva_min)
+    if (bv == 64 and wide and not forced and not plan.segmented and gva_t and HV >= gva_t * k.shape[2]
+            and plan.S * HV <= _num_sms(dev)):
+        # one wave at V tile 64 (33 - 66 sequences x value heads) with key heads shared: the register-state kernel on
+        # whole 128-column tiles at half the CTAs (P formed there from q's row scalings, which cost the prepare a q
+        # read per key head; chunk_fwd.state_sm90_t_gva_min)
+        bv = 128
     narrow = int(cfg.state_sm90_narrow_bv)
     if (bv == 32 and not states and not forced and not plan.segmented and 0 < narrow < bv and K == 128
             and one_wave_tile(plan.S * HV, V, dev, (narrow,))):
