@@ -439,7 +439,7 @@ def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
 @pytest.mark.parametrize("B, T, H, HV, states, want", [
     (1, 32768, 16, 32, False, (128, 128)),  # 16/32: four segments (H200 kernel sums 915 -> 881 us)
     (1, 65536, 16, 32, False, (128, 256)),  # (1795 -> 1718)
-    (1, 16384, 16, 32, False, (32, None)),  # a tie (470 / 467): kept whole
+    (1, 16384, 16, 32, False, (128, 64)),   # a tie (470 / 467): segmented for its peak (no P, Ainv in o's rows)
     (1, 8192, 16, 32, False, (32, None)),   # segments lose (242 -> 256)
     (1, 8192, 16, 64, False, (64, None)),   # 16/64: segments lose (436 -> 467)
     (1, 32768, 64, 64, False, (64, None)),  # 64/64: no P to save at V tile 64

@@ -168,11 +168,13 @@ class ChunkForward:
     # candidate is offered (state._fused_segments) and taken below this x the plain pass, whose cost includes the
     # prepare's writing P at V tile 32 (state_sm90_prepare_p_cost per chunk and value head; the register-state pass
     # forms P itself). H200 kernel sums, segments / plain (bench/results/fwd_segment_plan_16_32_h200.json): 1x32768
-    # 16/32 881 / 915 us (prepare 202 / 260), 1x65536 1718 / 1795; 1x16384 467 / 470 (kept plain); 1x8192 256 / 242.
+    # 16/32 881 / 915 us (prepare 202 / 260), 1x65536 1718 / 1795; 1x16384 467 / 470 (a tie); 1x8192 256 / 242.
     # Above 1 because the modelled segmented step (segment_t_cost + t_step_cost = 4.2 plain steps) is ~5% over the
-    # H200's (2.67 + 2.38 us per chunk, fitted over L = 8 .. 256, against the plain pass's 1.27: 4.0); 1.01 - 1.05
-    # picks exactly the faster of those four
-    state_sm90_segment_t_gain: float = 1.03
+    # H200's (2.67 + 2.38 us per chunk, fitted over L = 8 .. 256, against the plain pass's 1.27: 4.0): 1.01 - 1.05
+    # picks exactly the faster of those four; 1.06 - 1.14 also the tie at 1x16384, whose segmented call holds no P
+    # and no Ainv buffer (Ainv in o's rows): its peak ~130-160 MB by the 1x32768 / 1x65536 segmented peaks (290 / 554
+    # MB) against 263.5 plain and FlashInfer's 258 (not yet in a bench record)
+    state_sm90_segment_t_gain: float = 1.06
     state_sm90_prepare_p_cost: float = 0.0028
     # sm_90 inference forward, unsegmented, whose grid fits one wave at V tile 64 but not 32 (33 - 66 sequences x
     # value heads): the register-state kernel (V tile 128, half the CTAs, P formed in it) where value heads per key
