@@ -663,10 +663,11 @@ def test_profile_varlen_packs_the_sequences(monkeypatch):
     monkeypatch.setattr(gdn.ops, "chunk_gated_delta_rule", op)
     monkeypatch.setattr(P, "_inputs", lambda N, T, H, HV, device: made(N, T, H, HV, "cpu", K=32, V=32))
     monkeypatch.setattr(P, "kernel_times", lambda fn, iters: (fn(), [("k", 2.0, 1.0)])[1])
+    monkeypatch.setattr(P, "_device_ms", lambda step: 0.003)
     rows = P.run("3x20:1/2", iters=1, forward_only=True, print_fn=lambda *a: None, varlen=True)
     rows += P.run("3x20:1/2", iters=1, forward_only=True, print_fn=lambda *a: None)
-    assert [(r["shape"], r["mode"], r["total_us"]) for r in rows] == [("3x20:1/2", "fwd varlen", 2.0),
-                                                                      ("3x20:1/2", "fwd", 2.0)]
+    assert [(r["shape"], r["mode"], r["total_us"], r["device_us"]) for r in rows] == [
+        ("3x20:1/2", "fwd varlen", 2.0, 3.0), ("3x20:1/2", "fwd", 2.0, 3.0)]
     (qp, cu, cu_cpu), (qb, cu_b, cu_cpu_b) = calls
     assert qp.shape == (1, 60, 1, 32) and qb.shape == (3, 20, 1, 32)
     assert cu.tolist() == cu_cpu.tolist() == [0, 20, 40, 60] and cu_b is None and cu_cpu_b is None
@@ -701,6 +702,7 @@ def test_profile_flashinfer_runs_the_same_problem(monkeypatch):
     monkeypatch.setattr(PE, "flashinfer_prefill_call", fi_call)
     monkeypatch.setattr(P, "_inputs", lambda N, T, H, HV, device: made(N, T, H, HV, "cpu", K=32, V=32))
     monkeypatch.setattr(P, "kernel_times", lambda fn, iters: (fn(), [("k", 2.0, 1.0)])[1])
+    monkeypatch.setattr(P, "_device_ms", lambda step: 0.003)
     for varlen in (False, True):
         outs.clear()
         rows = P.run("2x40:1/2", iters=1, forward_only=True, print_fn=lambda *a: None, varlen=varlen,

@@ -11,7 +11,9 @@ step of the GatedDeltaNet layer (``--layer-decode N``). The tool for an A/B of a
     gdn profile --forward --varlen --flashinfer --shapes 1x65536:2/8   # FlashInfer's kernels beside gdn's
 
 Inputs per shape ``NxT:H/HV``: bf16 q/k/v/beta, fp32 g, K = V = 128, L2 norm on, fp32 initial and final state; one
-warm-up call, then ``--iters`` profiled calls; prints every kernel's mean time per call (us) and their sum.
+warm-up call, then ``--iters`` profiled calls; prints every kernel's mean time per call (us) and their sum, and the
+call's device time (CUDA events, the host kept ahead, as ``gdn bench`` takes it): above the sum where the GPU idles
+between the call's kernels, below it where they overlap (programmatic dependent launch).
 """
 from __future__ import annotations
 
@@ -84,9 +86,16 @@ def kernel_times(fn, iters: int):
     return sorted(((n, t / iters, cnt[n] / iters) for n, t in tot.items()), key=lambda r: -r[1])
 
 
+def _device_ms(step) -> float:
+    """Device time per call of ``step`` (median, CUDA events, the host kept ahead: ``CudaTimer.device_time``)."""
+    from gdn.benchmark.timing import CudaTimer
+
+    return CudaTimer("cuda", target_s=0.1).device_time(lambda i: step()).median_ms
+
+
 def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = False, out=None, print_fn=print,
         varlen: bool = False, flashinfer: bool = False):
-    """Profile every shape; returns rows ``{peer, shape, mode, total_us, kernels: [{name, us, calls}]}`` (also
+    """Profile every shape; returns rows ``{peer, shape, mode, total_us, device_us, kernels: [{name, us, calls}]}`` (also
     written to ``out`` as JSON when given). ``varlen``: the N sequences packed into one batch row with
     ``cu_seqlens`` (and its host copy), as serving engines call the op; else a batch of N rows. ``flashinfer``:
     FlashInfer's prefill too, forward calls only (it has no backward), on its conventions
@@ -143,14 +152,16 @@ def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = Fal
                         torch.autograd.grad(o, (q, k, v, gl, beta), do)
             try:
                 ks = kernel_times(step, iters)
+                dev_us = _device_ms(step) * 1e3
             except Exception as e:  # noqa: BLE001 - one failing peer / shape must not stop the others
                 print_fn(f"{name} {shape}: failed: {e}")
                 continue
             total = sum(r[1] for r in ks)
-            print_fn(f"\n== {name} {shape} {mode}: sum of kernels {total / 1000:.3f} ms per call")
+            print_fn(f"\n== {name} {shape} {mode}: sum of kernels {total / 1000:.3f} ms per call, device time "
+                     f"{dev_us / 1000:.3f} ms")
             for n, t, c in ks:
                 print_fn(f"  {t:9.1f} us  x{c:4.1f}  {n}")
-            rows.append(dict(peer=name, shape=shape, mode=mode, total_us=total,
+            rows.append(dict(peer=name, shape=shape, mode=mode, total_us=total, device_us=dev_us,
                              kernels=[dict(name=n, us=t, calls=c) for n, t, c in ks]))
     if out:
         with open(out, "w") as f:
