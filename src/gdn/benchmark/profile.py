@@ -95,8 +95,8 @@ def _device_ms(step) -> float:
 
 def run(shapes: str, iters: int = 5, forward_only: bool = False, fla: bool = False, out=None, print_fn=print,
         varlen: bool = False, flashinfer: bool = False):
-    """Profile every shape; returns rows ``{peer, shape, mode, total_us, device_us, kernels: [{name, us, calls}]}`` (also
-    written to ``out`` as JSON when given). ``varlen``: the N sequences packed into one batch row with
+    """Profile every shape; returns rows ``{peer, shape, mode, total_us, device_us, kernels: [{name, us, calls}]}``
+    (also written to ``out`` as JSON when given). ``varlen``: the N sequences packed into one batch row with
     ``cu_seqlens`` (and its host copy), as serving engines call the op; else a batch of N rows. ``flashinfer``:
     FlashInfer's prefill too, forward calls only (it has no backward), on its conventions
     (:func:`gdn.benchmark.peers.flashinfer_prefill_inputs`, converted before the profiled calls); it always takes

@@ -329,7 +329,8 @@ def _fused_output_plan(q, k, v, ci, segment_chunks, checkpoints, cfg, states):
     # the one-CTA segment pass (hopper_segments) is cheaper than the portable planner's model of a segment pass, so
     # where it runs, one long sequence over many heads is offered to the cost model too (H200 kernel sums, segments
     # forced / plain, bench/results/fwd_segment_plan_16_32_h200.json: 1x32768 16/32 915 -> 881 us, 1x65536 1795 ->
-    # 1718; 1x16384 470 / 467; 1x8192 242 -> 256 and 16/64 436 -> 467, which the model keeps plain)
+    # 1718; 1x16384 470 / 467, taken for its peak; 1x8192 242 -> 256 and 16/64 436 -> 467, which the model keeps
+    # plain)
     offer = (not plan.segmented and wide and _segment_t_pass(cfg, K, V) and sm90_tile(ci.N * HV)
              and max(ci.nchunks) >= int(cfg.segment_min_chunks))
     if (plan.segmented or offer) and cfg.state_sm90_fused_segmented and not forced:
