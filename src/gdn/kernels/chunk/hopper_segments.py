@@ -83,7 +83,6 @@ if G.AVAILABLE:
         dt: gl.constexpr = k_s.dtype
         m64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
         mK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
-        opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=m64, k_width=2)
         opK: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mK, k_width=2)
         cols: gl.constexpr = gl.SliceLayout(0, m64)
         to = gl.arange(0, C, layout=cols)
