@@ -299,6 +299,15 @@ def chunk_sm90_row_scalars(device):
         lambda bv: f"sm90 BV {bv} row scalars in o")
 
 
+def _one_launch_rows(name, res, launch, ref):
+    """Rows of an A/B of one launch: ``res`` = [(o, final state, launches counted)] without, then with it; that it
+    ran once with and never without, and o and the final state against the run without it (``ref``)."""
+    ran = res[1][2] == 1 and res[0][2] == 0
+    return [Result("chunk", f"{name}: {launch} {'as' if ran else 'NOT as'} asked", 0.0 if ran else float("inf"), 0.0),
+            Result("chunk", f"{name} o vs {ref}", rel_err(res[1][0], res[0][0]), 4e-3),
+            Result("chunk", f"{name} final state vs {ref}", rel_err(res[1][1], res[0][1]), 4e-3)]
+
+
 @register
 def chunk_sm90_segment_pass(device):
     """Hopper only: the segment pass of segmented runs (local states from zero and transitions, INIT 3) as the Gluon
@@ -327,12 +336,7 @@ def chunk_sm90_segment_pass(device):
                     o, ht, _ = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, K ** -0.5, h0, True, None,
                                                           use_qk_l2norm_in_kernel=True, return_states=False)
                 res.append((o, ht, calls[0]))
-            name = f"sm90 segment pass {mode} seg={seg}"
-            ran = res[1][2] == 1 and res[0][2] == 0
-            out += [Result("chunk", f"{name}: Gluon launch {'as' if ran else 'NOT as'} asked",
-                           0.0 if ran else float("inf"), 0.0),
-                    Result("chunk", name + " o vs portable", rel_err(res[1][0], res[0][0]), 4e-3),
-                    Result("chunk", name + " final state vs portable", rel_err(res[1][1], res[0][1]), 4e-3)]
+            out += _one_launch_rows(f"sm90 segment pass {mode} seg={seg}", res, "Gluon launch", "portable")
     # the one-CTA-per-(value head, segment) form (hopper_segments, chunk_fwd.state_sm90_segment_t): the sequence above
     # and a ragged varlen batch (a partial last chunk, sequences of one segment, a 1-token one), with its register-state
     # final pass reading Ainv packed into o's rows (V tile 128) and with the V tile 64 fused pass
@@ -350,13 +354,8 @@ def chunk_sm90_segment_pass(device):
                     o, ht, _ = chunk_gated_delta_rule_fwd(y.q, y.k, y.v, y.g, y.beta, K ** -0.5, hh, True, cuv,
                                                           use_qk_l2norm_in_kernel=True, return_states=False)
                 res.append((o, ht, calls[0]))
-            name = f"sm90 segment pass, one CTA per (head, segment), {label} seg={seg} final V tile {bv or 'planned'}"
-            ran = res[1][2] == 1 and res[0][2] == 0
-            out += [Result("chunk", f"{name}: launch {'as' if ran else 'NOT as'} asked",
-                           0.0 if ran else float("inf"), 0.0),
-                    Result("chunk", name + " o vs the Gluon state pass", rel_err(res[1][0], res[0][0]), 4e-3),
-                    Result("chunk", name + " final state vs the Gluon state pass", rel_err(res[1][1], res[0][1]),
-                           4e-3)]
+            out += _one_launch_rows(f"sm90 segment pass, one CTA per (head, segment), {label} seg={seg} final V "
+                                    f"tile {bv or 'planned'}", res, "launch", "the Gluon state pass")
     return out
 
 
