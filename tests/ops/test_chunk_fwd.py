@@ -393,6 +393,23 @@ def test_fused_forward_segments_register_state_candidate(monkeypatch, segment_t,
         assert bv in (32, 64)
 
 
+def _emulated_fused_plan(monkeypatch, B, T, H, HV, K=128):
+    """``plan(cfg, states) -> (V tile, segment plan)`` of state._fused_output_plan for B sequences of T tokens (H key,
+    HV value heads, V = 128) on an emulated 132-SM sm_90 where the Gluon kernels are supported (tiles 16 / 32 / 64 for
+    the fused kernel)."""
+    from gdn.kernels.chunk import hopper, plan as plan_mod, state
+    from gdn.kernels.chunk.plan import prepare_chunk_indices
+
+    for m in (state, plan_mod):
+        monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
+    monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
+    monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (16, 32, 64))
+    q = torch.empty(B, T, H, K, dtype=torch.bfloat16)
+    v = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
+    ci = prepare_chunk_indices(None, T, 64, B, device=torch.device("cpu"))
+    return lambda cfg, states: state._fused_output_plan(q, q, v, ci, None, False, cfg, states)
+
+
 @pytest.mark.parametrize("B, T, H, HV, states, want", [
     (4, 4096, 16, 32, False, 128),   # past one wave even at V tile 64: the register-state kernel on 128 columns
     (8, 2048, 16, 32, False, 128),
@@ -412,27 +429,19 @@ def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
     grid fits one wave (16 only for inference forwards), else the register-state kernel at 128 where no h / v_new is
     kept, else 64. Segmented plans are the tests' above and below (here kept off)."""
     from gdn.kernels import tuning
-    from gdn.kernels.chunk import hopper, plan as plan_mod, state
-    from gdn.kernels.chunk.plan import prepare_chunk_indices
 
-    for m in (state, plan_mod):
-        monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
     monkeypatch.setattr(tuning, "chunk_fwd", lambda dev, _f=tuning.chunk_fwd: dataclasses.replace(
         _f(dev), state_sm90_fused_segmented=False))
-    monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
-    monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (16, 32, 64))
     dev = torch.device("cpu")
     K, want = want if isinstance(want, tuple) else (128, want)
-    q = torch.empty(B, T, H, K, dtype=torch.bfloat16)
-    v = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
-    ci = prepare_chunk_indices(None, T, 64, B, device=dev)
-    bv, plan = state._fused_output_plan(q, q, v, ci, None, False, tuning.chunk_fwd(dev), states)
+    fused_plan = _emulated_fused_plan(monkeypatch, B, T, H, HV, K)
+    bv, plan = fused_plan(tuning.chunk_fwd(dev), states)
     assert bv == want and not plan.segmented
     with tuning.override("chunk_fwd", state_sm90_fused_t=False):
-        bv, _ = state._fused_output_plan(q, q, v, ci, None, False, tuning.chunk_fwd(dev), states)
+        bv, _ = fused_plan(tuning.chunk_fwd(dev), states)
         assert bv == (64 if want == 128 else want)
     with tuning.override("chunk_fwd", state_sm90_narrow_bv=0):
-        bv, _ = state._fused_output_plan(q, q, v, ci, None, False, tuning.chunk_fwd(dev), states)
+        bv, _ = fused_plan(tuning.chunk_fwd(dev), states)
         assert bv == (32 if want == 16 else want)
 
 
@@ -452,29 +461,18 @@ def test_fused_forward_offers_segments_to_long_sequences(monkeypatch, B, T, H, H
     segment pass is hopper_segments' (state._fused_segments, ``offered``), priced against the plain pass plus the
     prepare's P (chunk_fwd.state_sm90_prepare_p_cost); on an emulated 132-SM sm_90, as the H200 measured them."""
     from gdn.kernels import tuning
-    from gdn.kernels.chunk import hopper, plan as plan_mod, state
-    from gdn.kernels.chunk.plan import prepare_chunk_indices
 
-    for m in (state, plan_mod):
-        monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
-    monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
-    monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (16, 32, 64))
-    dev = torch.device("cpu")
-    q = torch.empty(B, T, H, 128, dtype=torch.bfloat16)
-    v = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
-    ci = prepare_chunk_indices(None, T, 64, B, device=dev)
-    cfg = tuning.chunk_fwd(dev)
-    bv, plan = state._fused_output_plan(q, q, v, ci, None, False, cfg, states)
+    fused_plan = _emulated_fused_plan(monkeypatch, B, T, H, HV)
+    cfg = tuning.chunk_fwd(torch.device("cpu"))
+    bv, plan = fused_plan(cfg, states)
     assert (bv, plan.seg_len if plan.segmented else None) == want
     if plan.segmented:
         assert plan.S * HV <= 132
         # the older segment pass (four programs per segment and head) is not cheap enough to offer segments
-        bv, plan = state._fused_output_plan(q, q, v, ci, None, False,
-                                            dataclasses.replace(cfg, state_sm90_segment_t=False), states)
+        bv, plan = fused_plan(dataclasses.replace(cfg, state_sm90_segment_t=False), states)
         assert (bv, plan.segmented) == (32, False)
         # nor is the plain pass without the prepare's P to save
-        bv, plan = state._fused_output_plan(q, q, v, ci, None, False,
-                                            dataclasses.replace(cfg, state_sm90_prepare_p_cost=0.0), states)
+        bv, plan = fused_plan(dataclasses.replace(cfg, state_sm90_prepare_p_cost=0.0), states)
         assert (bv, plan.segmented) == (32, False)
 
 
@@ -492,21 +490,12 @@ def test_fused_forward_register_state_for_shared_key_heads(monkeypatch, B, T, H,
     takes the register-state kernel (V tile 128, half the CTAs) where value heads per key head reach the field;
     on an emulated 132-SM sm_90."""
     from gdn.kernels import tuning
-    from gdn.kernels.chunk import hopper, plan as plan_mod, state
-    from gdn.kernels.chunk.plan import prepare_chunk_indices
 
-    for m in (state, plan_mod):
-        monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
-    monkeypatch.setattr(hopper, "supported", lambda *a, **k: True)
-    monkeypatch.setattr(hopper, "fused_supported", lambda q, k, bv: bv in (16, 32, 64))
-    dev = torch.device("cpu")
-    q = torch.empty(B, T, H, 128, dtype=torch.bfloat16)
-    v = torch.empty(B, T, HV, 128, dtype=torch.bfloat16)
-    ci = prepare_chunk_indices(None, T, 64, B, device=dev)
-    cfg = dataclasses.replace(tuning.chunk_fwd(dev), state_sm90_fused_segmented=False, state_sm90_narrow_bv=0)
+    fused_plan = _emulated_fused_plan(monkeypatch, B, T, H, HV)
+    cfg = dataclasses.replace(tuning.chunk_fwd(torch.device("cpu")), state_sm90_fused_segmented=False,
+                              state_sm90_narrow_bv=0)
     for gva_min, expect in zip((2, 0), want):
-        bv, plan = state._fused_output_plan(q, q, v, ci, None, False,
-                                            dataclasses.replace(cfg, state_sm90_t_gva_min=gva_min), states)
+        bv, plan = fused_plan(dataclasses.replace(cfg, state_sm90_t_gva_min=gva_min), states)
         assert bv == expect and not plan.segmented
 
 
