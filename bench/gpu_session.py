@@ -435,6 +435,30 @@ def sweep_table(out, main_doc, done) -> list:
     return lines
 
 
+def profile_table(out, done) -> list:
+    """The ``gdn profile`` variants' (``{out}/profile.json``) gdn rows: device time per call and the kernels' sum per
+    shape (us), one column per variant."""
+    docs = {}
+    for n, _, _ in done:
+        d = _load(os.path.join(out, "sweep", n, "profile.json"))
+        if d:
+            docs[n] = {(r.get("shape"), r.get("mode")): r for r in d if r.get("peer") == "gdn"}
+    if not docs:
+        return []
+    keys = []
+    for d in docs.values():
+        keys += [k for k in d if k not in keys]
+    lines = ["sweep: gdn profile, device us per call / kernel sum us (one column per variant)",
+             "  " + "shape".ljust(26) + "".join(n[:16].rjust(17) for n in docs)]
+    for k in keys:
+        cells = []
+        for d in docs.values():
+            r = d.get(k)
+            cells.append("-" if r is None else f"{_fmt(r.get('device_us'), '.1f')}/{_fmt(r.get('total_us'), '.1f')}")
+        lines.append("  " + f"{k[0]} {k[1]}"[:26].ljust(26) + "".join(c.rjust(17) for c in cells))
+    return lines
+
+
 def bench_lines(doc) -> list:
     if not doc:
         return ["bench: no JSON written"]
@@ -460,7 +484,7 @@ def summarize(s: Session, done_sweep):
     path, doc = _main_json(s.out)
     parts = []
     blines = bench_lines(doc)
-    slines = sweep_table(s.out, doc, done_sweep or [])
+    slines = sweep_table(s.out, doc, done_sweep or []) + profile_table(s.out, done_sweep or [])
     stage_lines = ["", f"session summary ({time.time() - s.t0:.0f}s of {s.budget_s:.0f}s budget; files under "
                        f"{s.out})", f"  {'stage':<7} {'status':<18} {'secs':>5}  detail"]
     for name, status, sec, detail in s.stages:
