@@ -589,15 +589,6 @@ HOPPER_CONFIGS += [dict(BV=64, INIT=3, HT_BY_SEG=True, H0_INDEXED=False, HT_INDE
 # the register-state kernel forming P in its P partition (chunk_fwd.state_sm90_t_p_in_kernel, unsegmented plans),
 # with Ainv alone in o's rows from a prepare without P (which loads q for r_q alone), with and without the L2 norm
 FUSED_T_CONFIGS += [dict(PA=True, PDL=True, AP=128), dict(PA=True, PDL=True, AP=128, USE_L2=False)]
-# the head-start schedule of a segmented register-state run (plan.HeadStart, chunk_fwd.state_sm90_head_start): the
-# first segments' final pass on a side stream (ordinary launch; from the pool's rows or from zero, end states by
-# sequence), and the other segments' from the merged states, the final state stored by the segment that ends its
-# sequence (HT_BY_SEG = common.SEQ_END) into the pool's row
-# (and the Gluon state pass's, chunk_fwd.segment_head_start)
-HOPPER_CONFIGS += [dict(BV=64, INIT=1, H0_BY_SEG=True, H0_INDEXED=False, HT_BY_SEG=2)]
-FUSED_T_CONFIGS += [dict(PA=True, AP=128, HT_INDEXED=False), dict(PA=True, AP=128, INIT=0, H0_INDEXED=False,
-                                                                  HT_INDEXED=False),
-                    dict(PA=True, PDL=True, AP=128, H0_BY_SEG=True, H0_INDEXED=False, HT_BY_SEG=2)]
 # the varlen prepare reading its chunks' spans from the chunk table (chunk_fwd.prepare_sm90_chunk_spans: the default)
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, SPANS=True), dict(maxnreg=128, PDL=True, STORE_P=False, SPANS=True)]
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, STORE_P=False, STORE_RQ=True, AP=128)]
@@ -617,8 +608,7 @@ def compile_merge(**flags):
     from .kernels.chunk import segments
 
     f32, i32 = torch.empty(4, dtype=torch.float32), torch.empty(4, dtype=torch.int32)
-    args = dict(h0=f32, ht=f32, h0_idx=i32, ht_idx=i32, trans=f32, hloc=f32, hs=f32, seg_offsets=i32,
-                mid_offsets=i32, P0=4, P1=4,
+    args = dict(h0=f32, ht=f32, h0_idx=i32, ht_idx=i32, trans=f32, hloc=f32, hs=f32, seg_offsets=i32, P0=4, P1=4,
                 s0n=16384, s0h=2048, s0k=128, s0v=1, s1n=16384, s1h=2048, s1k=128, s1v=1)
     cx = dict(HV=8, K=128, V=128, BK=128, BV=16, HAS_H0=True, H0_INDEXED=True, STORE_FINAL=True, HT_INDEXED=True,
               PREC="tf32", STAGES=2, PDL=False)
@@ -646,8 +636,6 @@ def compile_redo(**flags):
 # portable kernels of the sm_90 forward's launch chain, built with PDL (their plain builds: the scenarios above)
 PDL_PORTABLE_BUILDS = [("merge", compile_merge, dict(PDL=True)),
                        ("merge, 3 stages (the sm_90 row)", compile_merge, dict(PDL=True, STAGES=3)),
-                       ("merge of a head-start plan, 3 stages", compile_merge,
-                        dict(HEAD=True, STAGES=3, H0_INDEXED=False)),
                        ("overflow redo", compile_redo, dict(PDL=True)),
                        ("overflow redo, Ainv packed in o", compile_redo, dict(PDL=True, AP=128)),
                        ("overflow redo, g_cum and flags packed in o", compile_redo, dict(PDL=True, VP=64, VB=16))]

@@ -608,6 +608,27 @@ def test_gpu_session_runs_a_sweep_command_and_summarizes(tmp_path, capsys):
     assert (tmp_path / "summary.txt").exists() and json.load(open(tmp_path / "summary.json"))["stages"]
 
 
+def test_gpu_session_tabulates_profile_variants(tmp_path, capsys):
+    """Sweep variants that run ``gdn profile --out {out}/profile.json`` appear in the summary: gdn's device time and
+    kernel sum per shape, one column per variant (a peer's rows and a variant without the file left out)."""
+    gs = _session_module()
+
+    def writer(dev, tot):
+        rows = [dict(peer="gdn", shape="1x8192:16/32", mode="fwd varlen", total_us=tot, device_us=dev, kernels=[]),
+                dict(peer="fla", shape="1x8192:16/32", mode="fwd varlen", total_us=1.0, device_us=1.0, kernels=[])]
+        return [sys.executable, "-c", f"import json, sys; json.dump({rows!r}, open(sys.argv[1], 'w'))",
+                "{out}/profile.json"]
+
+    sweep = json.dumps({"variants": [{"name": "a", "cmd": writer(258.6, 314.2)},
+                                     {"name": "b", "cmd": writer(240.8, 239.2)},
+                                     {"name": "none", "cmd": [sys.executable, "-c", "pass"]}]})
+    assert gs.main(["--out", str(tmp_path), "--stages", "sweep", "--sweep", sweep, "--budget-s", "60"]) == 0
+    out = capsys.readouterr().out
+    line = next(ln for ln in out.splitlines() if ln.strip().startswith("1x8192:16/32 fwd varlen"))
+    assert line.split()[-2:] == ["258.6/314.2", "240.8/239.2"], line
+    assert "gdn profile, device us per call / kernel sum us" in out and "1.0/1.0" not in out
+
+
 def test_gpu_session_resumes_a_bench_that_lost_its_cuda_context(tmp_path, monkeypatch, capsys):
     gs = _session_module()
     log = tmp_path / "argv.txt"

@@ -293,62 +293,6 @@ def test_workspace_reuses_the_bytes_of_dead_intermediates(plans, device):
 
 
 @host_plan.planned
-def _forked(x):
-    """A concurrent region (host_plan.concurrent): on the side stream s = 2x and a = 3x (s's last use), beside
-    them on the current stream m = 3x, made inside the region, and b = 4x; after the join out = a + b = 7x."""
-    s, a = torch.empty_like(x), torch.empty_like(x)
-    with host_plan.concurrent(x.device) as region:
-        with region.side():
-            _axpy(x, x, 1.0, s)
-            _axpy(s, x, 1.0, a)
-        m = torch.empty_like(x)
-        _axpy(x, x, 2.0, m)
-        b = torch.empty_like(x)
-        _axpy(m, x, 1.0, b)
-    out = torch.empty_like(x)
-    _axpy(a, b, 1.0, out)
-    return out
-
-
-@host_plan.planned
-def _allocates_on_the_side(x):
-    with host_plan.concurrent(x.device) as region:
-        with region.side():
-            out = torch.empty_like(x)
-            _axpy(x, x, 1.0, out)
-    return out
-
-
-def test_concurrent_regions_replay_and_keep_side_tensors_to_the_join(plans, device):
-    """A call with a fork / join of streams is planned: the replay has the region's steps in place (fork, the side
-    launches between ("side", True) and ("side", False), join) and gives the Python path's result; an intermediate a
-    side kernel uses last stays alive to the join, so an intermediate made on the current stream inside the region
-    (m) never takes its bytes, though by step order it could; a call allocating inside the side region is not
-    planned."""
-    for _ in range(CALLS):
-        x = torch.randn(300, device=device, dtype=torch.float64)
-        torch.testing.assert_close(_forked(x), 7 * x, rtol=1e-6, atol=1e-6)
-    (entry,) = [e for e in host_plan._PLANS.values() if e.plan is not None]
-    kinds = [st[0] if st[0] != "side" else ("side", st[1]) for st in entry.plan.steps if st[0] not in ("alloc", "free")]
-    assert kinds == ["fork", ("side", True), "launch", "launch", ("side", False), "launch", "launch", "join",
-                     "launch"], kinds
-    s_t, a_t = _launched(entry.plan)[0][-1], _launched(entry.plan)[1][-1]
-    m_t = _launched(entry.plan)[2][-1]
-    assert s_t[0] == m_t[0] == "wv" and s_t[2] != m_t[2], (s_t, m_t)       # distinct bytes in the workspace
-    freed_before_join = set()
-    for st in entry.plan.steps:
-        if st[0] == "join":
-            break
-        if st[0] == "free":
-            freed_before_join |= set(st[1])
-    assert not freed_before_join & {("al", s_t[1]), ("in", 0)}, entry.plan.steps
-    for _ in range(CALLS):
-        x = torch.randn(30, device=device)
-        torch.testing.assert_close(_allocates_on_the_side(x), 2 * x)
-    assert plans.stats(_allocates_on_the_side)["plans"] == 0
-
-
-@host_plan.planned
 def _computes(x):
     out = torch.empty_like(x)
     _axpy(x * 1.0, x, 1.0, out)       # a computation in torch: an operator the plan does not replay
@@ -526,21 +470,18 @@ def _count_validations(monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("case", ["batched_k_last", "varlen_host_copy", "pool_unchecked", "pool_head_start"])
+@pytest.mark.parametrize("case", ["batched_k_last", "varlen_host_copy", "pool_unchecked"])
 def test_public_op_replays_skip_validation(plans, device, nan_empty, monkeypatch, case):
     """Inference calls of the public op are planned whole: one key per call, the validation run only by the plain
     and the recorded call, replays bitwise equal to the Python path (outputs poisoned: nothing left unwritten), a
-    pool's rows updated in place as by the Python path. ``pool_head_start``: segmented runs in the head-start
-    schedule (plan.HeadStart: a fork / join of streams on a GPU) over a pool."""
+    pool's rows updated in place as by the Python path."""
     from gdn.ops import chunk_gated_delta_rule
 
-    if case.startswith("pool"):   # pool index checks read device values: planned only where they are skipped
+    if case == "pool_unchecked":   # pool index checks read device values: planned only where they are skipped
         monkeypatch.setenv("GDN_SKIP_VALUE_CHECKS", "1")
-    if case == "pool_head_start":
-        monkeypatch.setenv("GDN_TUNE", "chunk_fwd.segment_chunks=1,chunk_fwd.segment_head_start=true")
     seen = _count_validations(monkeypatch)
     H, HV, K, V = 1, 2, 32, 16
-    lens = None if case == "batched_k_last" else [1, 63, 0, 65] if case != "pool_head_start" else [1, 200, 0, 65]
+    lens = None if case == "batched_k_last" else [1, 63, 0, 65]
     B = 2 if lens is None else 1
     T = 66 if lens is None else sum(lens)
     cu_host = None if lens is None else [0] + torch.tensor(lens).cumsum(0).tolist()
@@ -551,9 +492,8 @@ def test_public_op_replays_skip_validation(plans, device, nan_empty, monkeypatch
     on = 0
     for call in range(CALLS):
         x = make_inputs(B, T, H, HV, K, V, dtype=torch.float32, device=device)
-        pooled = case.startswith("pool")
-        state = torch.randn((N + 3 if pooled else N), *sshape, device=device)
-        idx = torch.tensor([4, -1, 0, 2], dtype=torch.int32, device=device) if pooled else None
+        state = torch.randn((N + 3 if case == "pool_unchecked" else N), *sshape, device=device)
+        idx = torch.tensor([4, -1, 0, 2], dtype=torch.int32, device=device) if case == "pool_unchecked" else None
         outs = []
         for enabled in (True, False):
             host_plan.ENABLED = enabled
@@ -574,8 +514,6 @@ def test_public_op_replays_skip_validation(plans, device, nan_empty, monkeypatch
     assert _public_plans() == 1, plans.stats()
     # the forward's own planned function ran its Python path inside the public call's: no key of its own
     assert plans.stats()["keys"] == 1, plans.stats()
-    forks = [st for e in host_plan._PLANS.values() if e.plan is not None for st in e.plan.steps if st[0] == "fork"]
-    assert len(forks) == (case == "pool_head_start")
 
 
 def test_public_op_plans_only_calls_validated_by_their_key(plans, device, monkeypatch):

@@ -270,95 +270,6 @@ def test_forced_segments(seg, merge_bk):
     _check(o, ht, ro, rht, torch.float32)
 
 
-@pytest.mark.parametrize("seg,layout,pool,h0", [(1, "k_last", True, True), (2, "v_last", False, True),
-                                                 (3, "k_last", False, False), (2, "v_last", True, True)])
-def test_head_start_segments(seg, layout, pool, h0):
-    """The head-start schedule (plan.HeadStart; forced by ``segment_chunks`` with ``chunk_fwd.segment_head_start``):
-    every sequence's first segment runs its final pass from the sequence's initial state (on a side stream on a GPU)
-    beside the segment pass of the middle segments, the merge starts from the first segments' end states, and the
-    other segments' final pass stores the final state from the segment that ends the sequence. Ragged lengths (0, 1,
-    63, 64, 65, one of five chunks, one of two), GVA, against float64; with a pool: a padding row (-1, zero output,
-    nothing written), separate write rows (``output_state_indices``), every other row bitwise unchanged."""
-    from gdn.kernels import tuning
-    from gdn.kernels.chunk import state
-
-    lens = [4 * C + 9, 1, 63, 0, C, C + 1, 2 * C]
-    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    T, N, H, HV, K, V = int(cu[-1]), len(lens), 1, 2, 32, 16
-    x = make_inputs(1, T, H, HV, K, V)
-    P = 2 * N + 2
-    read = torch.randperm(P)[:N].to(torch.int32)
-    read[5] = -1
-    free = [r for r in range(P) if r not in read.tolist()]
-    write = read.clone()
-    write[0], write[2] = free[0], free[1]       # copy-on-write rows for two sequences
-    start = _state(P if pool else N, HV, K, V, layout)
-    before = start.clone()
-    kw = dict(ssm_state_indices=read, output_state_indices=write) if pool else {}
-    merges = []
-    orig = state.merge_segment_states
-    with tuning.override("chunk_fwd", segment_chunks=seg, segment_head_start=True, debug_poison=True):
-        state.merge_segment_states = lambda *a, **k: merges.append(k.get("firsts") is not None) or orig(*a, **k)
-        try:
-            o, ht = chunk_gated_delta_rule(x.q, x.k, x.v, x.g, x.beta, initial_state=start if h0 else None,
-                                           output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
-                                           state_layout=layout, **kw)
-        finally:
-            state.merge_segment_states = orig
-    assert merges == [True]
-    if pool:
-        valid = read >= 0
-        h_in = torch.zeros((N,) + tuple(start.shape[1:]))
-        h_in[valid] = before[read[valid].long()]
-    else:
-        h_in = before if h0 else None
-    ro, rht = _refs(x, h0=h_in, cu=cu, l2=True, layout=layout)
-    if not pool:
-        _check(o, ht, ro, rht, torch.float32, f"head-start seg={seg}")
-        return
-    for n, (_, a, b) in enumerate(sequence_spans(1, T, cu)):
-        if read[n] < 0:
-            assert torch.equal(o[0, a:b], torch.zeros_like(o[0, a:b]))
-            ro[0, a:b] = 0
-    assert rel_err(o, ro) <= TOL[torch.float32]
-    for n in range(N):
-        if read[n] >= 0:
-            assert rel_err(start[int(write[n])], rht[n]) <= TOL[torch.float32], n
-    written = {int(w) for n, w in enumerate(write.tolist()) if read[n] >= 0}
-    others = [r for r in range(P) if r not in written]
-    assert torch.equal(start[others], before[others]), "rows no sequence writes must be bitwise unchanged"
-
-
-def test_head_start_tables(monkeypatch):
-    """plan.plan_head_start: first segments of every sequence (all of a short one), the segments after them, the
-    middle ones, and the per-sequence offsets into both; head_start_len: the shortest one-wave length."""
-    from gdn.kernels.chunk import plan as plan_mod
-    from gdn.kernels.chunk.plan import head_start_len, plan_head_start, prepare_chunk_indices
-
-    dev = torch.device("cpu")
-    nch = [11, 0, 3, 4, 5]
-    cu = torch.tensor([0] + list(torch.tensor([c * C - (c > 0) for c in nch]).cumsum(0)), dtype=torch.int32)
-    ci = prepare_chunk_indices(cu, int(cu[-1]), C, device=dev)
-    assert ci.nchunks == nch
-    p = plan_head_start(ci, 4, 3, dev)
-    assert p.segmented and p.head.first_len == 4 and p.seg_len == 3
-    assert p.head.first.tolist() == [[0, 0, 4], [1, 0, 0], [2, 0, 3], [3, 0, 4], [4, 0, 4]]
-    assert p.segments.tolist() == [[0, 4, 7], [0, 7, 10], [0, 10, 11], [4, 4, 5]]
-    assert p.head.mid.tolist() == [[0, 4, 7], [0, 7, 10]] and p.head.NM == 2
-    assert p.head.offsets.tolist() == [[0, 3, 3, 3, 3, 4], [0, 2, 2, 2, 2, 2]]
-    assert p.S == 4 and p.head.S == 9 and p.seg_offsets.tolist() == p.head.offsets[0].tolist()
-    assert plan_head_start(ci, 4, 3, dev) is p                      # cached
-    with pytest.raises(ValueError, match="segment lengths"):
-        plan_head_start(ci, 0, 3, dev)
-    one = prepare_chunk_indices(None, 512 * C, C, 1, device=dev)
-    monkeypatch.setattr(plan_mod, "_num_sms", lambda d: 132)
-    L = head_start_len(one, 32, dev, 1.12, 8)      # 32 value heads: 4 segments after the first per wave
-    assert L == 100 and round(1.12 * L) + 4 * L >= 512 and round(1.12 * (L - 1)) + 4 * (L - 1) < 512
-    assert head_start_len(one, 132, dev, 1.12, 8) == 242    # one segment after the first: 271 + 242 chunks
-    assert head_start_len(one, 133, dev, 1.12, 8) == 0      # no room for a second segment
-    assert head_start_len(one, 8, dev, 1.12, 64) == 64      # the floor: 64-chunk segments fit at 16 per head
-
-
 def test_one_wave_segments_for_the_fused_final_pass(monkeypatch):
     """Segment length for a fused final pass: the shortest power-of-two multiple of the planner's length whose grid
     V / tile x HV x segments fits one CTA per SM; 0 where no split fits or the tile does not divide V."""
@@ -473,8 +384,7 @@ def test_fused_forward_segments_register_state_candidate(monkeypatch, segment_t,
         monkeypatch.setattr(m, "_num_sms", lambda dev: 132)
     dev = torch.device("cpu")
     ci = prepare_chunk_indices(None, T, 64, 1, device=dev)
-    # (the plain schedule's candidates; the head-start schedule's: test_fused_forward_head_start_plans)
-    cfg = dataclasses.replace(tuning.chunk_fwd(dev), state_sm90_segment_t=segment_t, state_sm90_head_start=False)
+    cfg = dataclasses.replace(tuning.chunk_fwd(dev), state_sm90_segment_t=segment_t)
     bv, plan = state._fused_segments(ci, HV, 128, 128, dev, plan_segments(ci, 8, dev), cfg, 32, wide=True)
     assert (bv, plan.seg_len if plan.segmented else None) == want
     if bv == 128:
@@ -553,8 +463,7 @@ def test_fused_forward_offers_segments_to_long_sequences(monkeypatch, B, T, H, H
     from gdn.kernels import tuning
 
     fused_plan = _emulated_fused_plan(monkeypatch, B, T, H, HV)
-    # (the plain schedule; the head-start schedule's plans: test_fused_forward_head_start_plans)
-    cfg = dataclasses.replace(tuning.chunk_fwd(torch.device("cpu")), state_sm90_head_start=False)
+    cfg = tuning.chunk_fwd(torch.device("cpu"))
     bv, plan = fused_plan(cfg, states)
     assert (bv, plan.seg_len if plan.segmented else None) == want
     if plan.segmented:
@@ -565,44 +474,6 @@ def test_fused_forward_offers_segments_to_long_sequences(monkeypatch, B, T, H, H
         # nor is the plain pass without the prepare's P to save
         bv, plan = fused_plan(dataclasses.replace(cfg, state_sm90_prepare_p_cost=0.0), states)
         assert (bv, plan.segmented) == (32, False)
-
-
-@pytest.mark.parametrize("B, T, H, HV, want", [
-    # (V tile, chunks per segment, first segments' chunks, segments in all); in the model's units, against the plain
-    # schedule's plans of the two tests above
-    (1, 32768, 16, 32, (128, 100, 112, 5)),   # four segments of 128 before: 563 -> 451
-    (1, 65536, 16, 32, (128, 200, 224, 5)),
-    (1, 16384, 16, 32, (128, 50, 56, 5)),
-    (1, 8192, 16, 32, (128, 25, 28, 5)),      # plain at V tile 32 before (139.5 x 1.06 -> 135.6)
-    (1, 8192, 16, 64, (128, 41, 46, 3)),      # plain at V tile 64 before (203.5 -> 200.3)
-    (1, 32768, 64, 64, (128, 164, 184, 3)),
-    (2, 32768, 16, 32, (128, 164, 184, 6)),   # two sequences: two segments after the first of each per wave
-    (1, 65536, 2, 8, (128, 60, 67, 17)),      # 16 segments of 64 before: 311 -> 299
-    (1, 8192, 8, 16, (128, 14, 16, 9)),
-    (1, 8192, 4, 8, (128, 8, None, None)),    # the plain schedule's 16 segments of 8 (76 against 81)
-    (1, 4096, 16, 32, (32, None, None, None)),  # short: the plain pass (the fixed cost)
-    (4, 4096, 16, 32, (128, None, None, None)),  # batched, past one wave: no segments
-])
-def test_fused_forward_head_start_plans(monkeypatch, B, T, H, HV, want):
-    """The head-start schedule's candidate (plan.HeadStart, ``chunk_fwd.state_sm90_head_start``) in the fused
-    forward's cost model (state._fused_segments / _head_start_cost) on an emulated 132-SM sm_90: one-wave phases of
-    S - 1 final-pass CTAs per value head, first segments seg_cost / t_cost longer than the others; taken where it is
-    cheaper than the plain pass and the plain schedule's segments. Off: the plain schedule's plan."""
-    from gdn.kernels import tuning
-
-    fused_plan = _emulated_fused_plan(monkeypatch, B, T, H, HV)
-    cfg = tuning.chunk_fwd(torch.device("cpu"))
-    bv, plan = fused_plan(cfg, False)
-    head = plan.head
-    got = (bv, plan.seg_len if plan.segmented else None, head.first_len if head else None, head.S if head else None)
-    assert got == want
-    if head is not None:
-        assert plan.S * HV <= 132 and (head.NM + B) * HV <= 132     # each phase one wave
-        bv, plain = fused_plan(dataclasses.replace(cfg, state_sm90_head_start=False), False)
-        assert plain.head is None
-        # the head-start plan is taken by its cost: not with a large fixed cost
-        bv, plan = fused_plan(dataclasses.replace(cfg, state_sm90_head_fixed_cost=1e4), False)
-        assert plan.head is None
 
 
 @pytest.mark.parametrize("B, T, H, HV, states, want", [

@@ -145,9 +145,7 @@ def chunk_sm90_vs_portable(device):
     v_new (``chunk_fwd.state_sm90_fused_states``) against the portable Triton pass on the same inputs (h per chunk,
     v_new, o, final state; pools with a padding row, k_last, varlen, segments), and the fused kernel without h / v_new
     (V tiles 128, with P formed in the kernel and read from the prepare, 64, 32 and 16: o and the final states)
-    against the same portable run. ``head``: the segmented runs in the head-start schedule (plan.HeadStart,
-    ``chunk_fwd.segment_head_start``: the first segments' final pass on a side stream), every mode, the portable one
-    too."""
+    against the same portable run."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
     from ..kernels.chunk import chunk_gated_delta_rule_fwd
@@ -158,8 +156,7 @@ def chunk_sm90_vs_portable(device):
     out = []
     cu = _cu(s["lens"], device)
     N, T = len(s["lens"]), int(cu[-1])
-    for layout, seg, head in (("v_last", -1, False), ("k_last", -1, False), ("v_last", 4, False),
-                              ("k_last", 4, True)):
+    for layout, seg in (("v_last", -1), ("k_last", -1), ("v_last", 4)):
         x = make_inputs(1, T, s["H"], s["HV"], s["K"], s["V"], dtype=torch.bfloat16, device=device)
         shape = (N + 2, s["HV"], s["K"], s["V"]) if layout == "v_last" else (N + 2, s["HV"], s["V"], s["K"])
         pools, res = [], []
@@ -172,7 +169,7 @@ def chunk_sm90_vs_portable(device):
             pool = pool0.clone()
             # the Hopper pass forced at V tile 64 (the automatic tile leaves grids larger than a wave to the portable pass)
             with override("chunk_fwd", state_sm90=sm90, state_sm90_BV=64, segment_chunks=seg,
-                          state_sm90_fused_states=fused, segment_head_start=head), \
+                          state_sm90_fused_states=fused), \
                     _counting_sm90_launches("gdn.kernels.chunk.hopper", "launch_fused_pass") as calls:
                 o, _, aux = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, s["K"] ** -0.5, pool, True, cu,
                                                        use_qk_l2norm_in_kernel=True, state_layout=layout,
@@ -183,9 +180,8 @@ def chunk_sm90_vs_portable(device):
                                   0.0 if ran else float("inf"), 0.0))
             pools.append(pool)
             res.append((o, aux["h"], aux["v_new"]))
-        hs = " head-start" if head else ""
         for (mode, _, _), r, p in zip(modes[1:], res[1:], pools[1:]):
-            name = f"{mode} vs portable {layout} seg={seg}{hs}"
+            name = f"{mode} vs portable {layout} seg={seg}"
             out += [Result("chunk", name + " h", rel_err(r[1], res[0][1]), 4e-3),
                     Result("chunk", name + " v_new", rel_err(r[2], res[0][2]), 4e-3),
                     Result("chunk", name + " o", rel_err(r[0], res[0][0]), 4e-3),
@@ -194,12 +190,11 @@ def chunk_sm90_vs_portable(device):
         # ("P read") from the prepare kernel, unsegmented and as a segmented run's final pass
         for bv, p_in in ((128, True), (128, False), (64, True), (32, True), (16, True)):
             pool = pool0.clone()
-            with override("chunk_fwd", state_sm90_BV=bv, segment_chunks=seg, state_sm90_t_p_in_kernel=p_in,
-                          segment_head_start=head):
+            with override("chunk_fwd", state_sm90_BV=bv, segment_chunks=seg, state_sm90_t_p_in_kernel=p_in):
                 o, _, aux = chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, s["K"] ** -0.5, pool, True, cu,
                                                        use_qk_l2norm_in_kernel=True, state_layout=layout,
                                                        state_indices=idx, final_state=pool, return_states=False)
-            name = f"sm90 fused BV {bv}{'' if p_in else ' P read'} vs portable {layout} seg={seg}{hs}"
+            name = f"sm90 fused BV {bv}{'' if p_in else ' P read'} vs portable {layout} seg={seg}"
             out += [Result("chunk", name + " (no h in memory)", 0.0 if aux["h"] is None else float("inf"), 0.0),
                     Result("chunk", name + " o", rel_err(o, res[0][0]), 4e-3),
                     Result("chunk", name + " final state", rel_err(pool, pools[0]), 4e-3)]

@@ -37,7 +37,6 @@ own would cost each call of an unplanned outer key a second walk and take a plan
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import threading
@@ -176,9 +175,6 @@ class _Recorder(TorchDispatchMode):
         self.steps = []         # ("alloc", j) / ("fill", ...) / ("new", ...) / ("copy", ...) / ("launch", ...): _Plan
         self.bad = None
         self.in_launch = 0      # > 0 inside a launch: the launcher's own operators are not recorded
-        self.forked = False     # inside a concurrent region (:class:`concurrent`)
-        self.in_side = False    # ... between its side launches' start and end,
-        self.side = None        # ... which go to this raw stream
         for i, x in enumerate(inputs):
             if x.numel():
                 owner = self.owners.setdefault(x.untyped_storage().data_ptr(), ("in", []))
@@ -231,25 +227,11 @@ class _Recorder(TorchDispatchMode):
         return ("v", a)
 
     # -- events ----------------------------------------------------------------------------------------------------
-    def mark(self, kind: str, on: bool = False) -> None:
-        """A concurrent region's fork ("fork"), its side launches' start / end ("side", on) or its join ("join")."""
-        if kind == "fork":
-            if self.forked:
-                self.bad = "nested concurrent regions"
-            self.forked = True
-            self.steps.append(("fork",))
-        elif kind == "side":
-            self.in_side, self.side = bool(on), _launch_mod.current_stream() if on else None
-            self.steps.append(("side", on))
-        else:
-            self.forked = False
-            self.steps.append(("join",))
-
     def on_launch(self, kernel, grid, args, kwargs, stream):
         if self.bad is not None:
             return
         try:
-            if callable(grid) or stream != (self.side if self.in_side else self.stream):
+            if callable(grid) or stream != self.stream:
                 raise _Unplannable
             self.steps.append(("launch", kernel, tuple(int(x) for x in grid), [self.value(a) for a in args],
                                {k: self.value(v) for k, v in kwargs.items()}))
@@ -262,8 +244,6 @@ class _Recorder(TorchDispatchMode):
         if self.bad is not None or self.in_launch or func.is_view or func in _VIEWS:
             return out
         try:
-            if self.in_side:    # the call's tensors are made on its own stream, outside a side region
-                raise _Unplannable
             if func in _ALLOC_OPS or func in _FULL_OPS:
                 if not isinstance(out, torch.Tensor):
                     raise _Unplannable
@@ -378,7 +358,7 @@ class _Plan:
         kept = set()
         _uses(out_tmpl, kept)
         rec_steps = self._workspace(rec.steps, kept)
-        used = _region_uses(rec_steps)
+        used = [_step_uses(s) for s in rec_steps]
         # allocations nothing reads or returns are not made; everything else is dropped after its last use
         needed = set().union(*used, kept) if used else set(kept)
         last = {}
@@ -405,10 +385,10 @@ class _Plan:
         in allocation order; alive from its allocation step to its last use); its templates become "wv" templates of
         the workspace and its allocation step goes (the workspace's is at the first one's place)."""
         first, last = {}, {}
-        for n, (st, uses) in enumerate(zip(steps, _region_uses(steps))):
+        for n, st in enumerate(steps):
             if st[0] == "alloc":
                 first[st[1]] = n
-            for r in uses:
+            for r in _step_uses(st):
                 if r[0] == "al":
                     last[r[1]] = n
         cands = [j for j in sorted(first, key=first.get)
@@ -461,29 +441,17 @@ class _Plan:
                 out.append(("copy", tensor(st[1]), tensor(st[2])))
             elif kind == "new":
                 out.append(st[:3] + (tensor(st[3]),) + st[4:])
-            elif kind in _MARKS:
-                out.append(st)
             else:   # launch
                 out.append(st[:3] + ([value(a) for a in st[3]], {k: value(v) for k, v in st[4].items()}))
         return out
 
     def replay(self, inputs: list):
         allocs = [None] * len(self.allocs)
-        stream = _launch_mod.current_stream()     # every launch of the call is on the stream it began on (but those
-        region = None                             # of a concurrent region's side: :class:`concurrent`)
+        stream = _launch_mod.current_stream()     # every launch of the call is on the stream it began on
         for n, s in enumerate(self.steps):
             kind = s[0]
             if kind == "launch":
                 self._launch(n, s, inputs, allocs, stream)
-            elif kind in _MARKS:
-                if kind == "fork":
-                    region = concurrent(_replay_device(inputs)).__enter__()
-                elif kind == "side":
-                    region.enter_side() if s[1] else region.exit_side()
-                    stream = _launch_mod.current_stream()
-                else:
-                    region.__exit__(None, None, None)
-                    region = None
             elif kind == "alloc":
                 _, j, size, stride, dtype, device, contiguous = s
                 allocs[j] = torch.empty(size, dtype=dtype, device=device) if contiguous else \
@@ -611,33 +579,6 @@ def _step_uses(s) -> set:
     return refs
 
 
-_MARKS = ("fork", "side", "join")
-
-
-def _region_uses(steps) -> list:
-    """Per step, its references (:func:`_step_uses`), where every reference of a step inside a concurrent region
-    (fork .. join) counts as used at the join as well: a side-stream kernel may still read or write it until then."""
-    out, pending = [], None
-    for s in steps:
-        refs = _step_uses(s)
-        if s[0] == "fork":
-            pending = set()
-        elif s[0] == "join":
-            refs = refs | (pending or set())
-            pending = None
-        elif pending is not None:
-            pending |= refs
-        out.append(refs)
-    return out
-
-
-def _replay_device(inputs) -> torch.device:
-    for x in inputs:
-        if x is not None:
-            return x.device
-    return torch.device("cpu")
-
-
 def _nbytes(size, stride, dtype) -> int:
     """Bytes a tensor of this size / stride / dtype spans from its first element (0 when empty)."""
     if any(n == 0 for n in size):
@@ -724,84 +665,6 @@ def _build(tmpl, inputs, allocs):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# concurrent regions
-# ----------------------------------------------------------------------------------------------------------------------
-_SIDE_STREAMS: dict = {}
-
-
-def side_stream(device) -> "torch.cuda.Stream":
-    """The side CUDA stream of ``device`` (one per device, made on first use)."""
-    key = device.index if device.index is not None else torch.cuda.current_device()
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=torch.device("cuda", key))
-    return _SIDE_STREAMS[key]
-
-
-class concurrent:
-    """A fork and a join of CUDA streams that host plans record and replay::
-
-        with concurrent(device) as region:     # the side stream waits for the current one (the fork)
-            with region.side():
-                launch(...)                     # on the side stream
-            launch(...)                         # on the current stream, beside it
-        # here the current stream waits for the side one (the join)
-
-    Nothing is allocated inside ``side()`` (a recorded call doing so is not planned): the tensors that side kernels
-    touch are made before the region, on the current stream, and live past the join. Without CUDA (the
-    interpreter) both are no-ops and every launch runs in order."""
-
-    def __init__(self, device):
-        self.cuda = getattr(device, "type", "cpu") == "cuda" and torch.cuda.is_available()
-        self.device = device
-        self.main = self.other = self._ctx = None
-
-    def _rec(self):
-        return _launch_mod.recorder()
-
-    def __enter__(self):
-        if self.cuda:
-            self.main = torch.cuda.current_stream(self.device)
-            self.other = side_stream(self.device)
-            self.other.wait_stream(self.main)
-        rec = self._rec()
-        if rec is not None:
-            rec.mark("fork")
-        return self
-
-    def enter_side(self):
-        if self.cuda:
-            self._ctx = torch.cuda.stream(self.other)
-            self._ctx.__enter__()
-        rec = self._rec()
-        if rec is not None:
-            rec.mark("side", True)
-
-    def exit_side(self):
-        if self._ctx is not None:
-            self._ctx.__exit__(None, None, None)
-            self._ctx = None
-        rec = self._rec()
-        if rec is not None:
-            rec.mark("side", False)
-
-    @contextlib.contextmanager
-    def side(self):
-        self.enter_side()
-        try:
-            yield
-        finally:
-            self.exit_side()
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.main.wait_stream(self.other)
-        rec = self._rec()
-        if rec is not None:
-            rec.mark("join")
-        return False
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # the decorator
 # ----------------------------------------------------------------------------------------------------------------------
 class _Entry:
@@ -874,4 +737,4 @@ def stats(fn=None) -> dict:
             "why": {k[0].__name__: e.why for k, e in items if e.why is not None}}
 
 
-__all__ = ["planned", "clear", "stats", "concurrent", "side_stream", "ENABLED", "RECORD_AT"]
+__all__ = ["planned", "clear", "stats", "ENABLED", "RECORD_AT"]

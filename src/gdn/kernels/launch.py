@@ -265,11 +265,6 @@ def encode(desc, metadata) -> list:
 _RECORDERS: dict = {}   # thread id -> the host-plan recorder of a call running on that thread
 
 
-def recorder():
-    """The host-plan recorder of this thread's running call (:func:`set_recorder`), or None."""
-    return _RECORDERS.get(threading.get_ident()) if _RECORDERS else None
-
-
 def set_recorder(rec) -> None:
     """Report every launch of this thread to the host-plan recorder ``rec`` (``rec.on_launch``); None: stop."""
     if rec is None:
@@ -309,5 +304,5 @@ def current_stream():
     return _raw_stream(torch.cuda.current_device())
 
 
-__all__ = ["launch", "pdl_args", "arg_key", "bind", "fire", "direct", "encode", "fast_ok", "recorder", "set_recorder",
-           "knobs_key", "current_stream", "VERIFY"]
+__all__ = ["launch", "pdl_args", "arg_key", "bind", "fire", "direct", "encode", "fast_ok", "set_recorder", "knobs_key",
+           "current_stream", "VERIFY"]

@@ -176,20 +176,6 @@ class ChunkForward:
     # MB) against 263.5 plain and FlashInfer's 258 (not yet in a bench record)
     state_sm90_segment_t_gain: float = 1.06
     state_sm90_prepare_p_cost: float = 0.0028
-    # ... and, where that segment pass and the register-state final pass run, the head-start schedule (plan.HeadStart):
-    # each sequence's first segment runs its final pass from the sequence's own initial state on a side stream beside
-    # the segment pass of the middle segments (the first and the last segment need none), then the merge and the
-    # final pass of the other segments. With one wave for each phase that is S - 1 segment-pass / final-pass CTAs per
-    # value head where the plain schedule runs S of each: 1 x 32768 16/32 five segments of ~102 chunks instead of four
-    # of 128. Its chunk steps in the cost model's units: the plain schedule's modelled segmented step
-    # (segment_t_cost + t_step_cost = 4.2) split as the H200 fits of the thirty-seventh session split it (segment
-    # pass 2.67 us per chunk, register-state final pass 2.38); the first segments are seg_cost / t_cost longer, so
-    # that both kernels of the first phase end together; fixed cost: the plain schedule's plus a launch and the fork
-    # / join
-    state_sm90_head_start: bool = True
-    state_sm90_head_seg_cost: float = 2.22
-    state_sm90_head_t_cost: float = 1.98
-    state_sm90_head_fixed_cost: float = 25.0
     # sm_90 inference forward, unsegmented, whose grid fits one wave at V tile 64 but not 32 (33 - 66 sequences x
     # value heads): the register-state kernel (V tile 128, half the CTAs, P formed in it) where value heads per key
     # head >= this (0 = never). Pending GPU A/B (bench/NOTES.md): H200 kernel sums, V tile 64 / 128 alternating
@@ -281,9 +267,6 @@ class ChunkForward:
     segment_gain: float = 0.8
     segment_min_chunks: int = 16
     segment_min_len: int = 8
-    # the segmented runs of the state pass that keeps h / v_new (training, the portable kernels) in the head-start
-    # schedule too (plan.HeadStart; first segments as long as the others): pending GPU A/B (bench/NOTES.md)
-    segment_head_start: bool = False
     # testing: fill every buffer the launchers allocate with NaN first (catches unwritten elements)
     debug_poison: bool = False
 

@@ -125,17 +125,11 @@ def _seq_span(n, cu_seqlens, T, IS_VARLEN: tl.constexpr):
     return i_b, bos, eos
 
 
-# HT_BY_SEG = SEQ_END: the final state goes to the sequence's row (as HT_BY_SEG False) and only the segment that ends
-# the sequence stores it (the final pass of a head-start plan, whose segments start from their true states)
-SEQ_END = 2
-
-
 @triton.jit
 def _state_row(idx, i_s, n, P, BY_SEG: tl.constexpr, INDEXED: tl.constexpr):
-    """(row, valid) of a state in a [rows, HV, ...] buffer: row = segment i_s (BY_SEG 1 / True) or sequence n (0 /
-    False; and :data:`SEQ_END`, where the caller stores only from the segment that ends the sequence), mapped through
+    """(row, valid) of a state in a [rows, HV, ...] buffer: row = segment i_s (BY_SEG) or sequence n, mapped through
     the pool index ``idx`` when INDEXED (a negative or >= P entry is invalid: nothing read or written)."""
-    if BY_SEG == 1:
+    if BY_SEG:
         row = i_s.to(tl.int64)
     else:
         row = n.to(tl.int64)

@@ -100,10 +100,9 @@ if G.AVAILABLE:
 
     @gluon.jit
     def _state_row(idx, i_s, n, P, BY_SEG: gl.constexpr, INDEXED: gl.constexpr):
-        """(row, valid) of a state in a [rows, HV, ...] buffer: segment i_s (BY_SEG 1 / True) or sequence n (0 / False;
-        and ``common.SEQ_END``: stored only by the segment that ends the sequence), mapped through the pool index
-        ``idx`` when INDEXED (negative or >= P: invalid, nothing read or written)."""
-        if BY_SEG == 1:
+        """(row, valid) of a state in a [rows, HV, ...] buffer: segment i_s (BY_SEG) or sequence n, mapped through the
+        pool index ``idx`` when INDEXED (negative or >= P: invalid, nothing read or written)."""
+        if BY_SEG:
             row = i_s.to(gl.int64)
         else:
             row = n.to(gl.int64)
@@ -365,8 +364,6 @@ if G.AVAILABLE:
             gl.store(p0, h.to(h0.dtype.element_ty), mask=m_kv & is_t)
         elif STORE_FINAL:
             row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
-            if HT_BY_SEG == 2:      # common.SEQ_END: the segment that ends the sequence
-                ok1 = ok1 & (bos + c_end.to(gl.int64) * 64 >= eos)
             p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
             gl.store(p1, h.to(ht.dtype.element_ty), mask=m_kv & ok1)
 
@@ -817,8 +814,6 @@ if G.AVAILABLE:
             gl.store(po, oo, mask=((bos + c * C + o_t) < eos)[:, None] & (o_v[None, :] < V))
         if STORE_FINAL:
             row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
-            if HT_BY_SEG == 2:      # common.SEQ_END: the segment that ends the sequence
-                ok1 = ok1 & (bos + c_end.to(gl.int64) * C >= eos)
             p1 = ht + row1 * s1n + i_hv * s1h + kc[None, :] * s1k + vr[:, None] * s1v
             gl.store(p1, st.to(ht.dtype.element_ty), mask=m_vk & ok1)
 

@@ -109,36 +109,14 @@ def _to_device_at_once(tables, device) -> list:
     return [dev[s0:s0 + t.numel()].view(t.shape) for t, s0 in zip(tables, starts)]
 
 
-class HeadStart(NamedTuple):
-    """The head-start schedule of a segmented run (:func:`plan_head_start`). A sequence's first segment needs no
-    segment pass: its final pass starts from the sequence's own initial state, so it runs beside the segment pass of
-    the middle segments (another stream), and its end state is the true start of the second; the last segment needs
-    none either (nothing follows it). Then the merge, then the final pass over the remaining segments.
-
-    ``first`` int32 [N, 3]: every sequence's first segment (all of a sequence of one segment), rows as
-    ``SegmentPlan.segments``; ``mid`` int32 [NM, 3]: the segments between a sequence's first and last;
-    ``offsets`` int32 [2, N + 1]: each sequence's first row in the plan's own ``segments`` (the segments after the
-    first ones) and in ``mid``; ``first_len`` / ``NM`` / ``S``: chunks of a first segment, rows of ``mid``, segments
-    in all (first + own). The plan's ``segments`` / ``S`` / ``seg_offsets`` then hold the segments after the first
-    ones only, and ``seg_len`` the length of those."""
-    first: torch.Tensor
-    mid: torch.Tensor
-    offsets: torch.Tensor
-    first_len: int
-    NM: int
-    S: int
-
-
 class SegmentPlan(NamedTuple):
     """Segments of the state pass: int32 [S, 3] rows (sequence n, first chunk, end chunk) on the device, plus
-    ``seg_offsets`` int32 [N + 1] (first segment of every sequence). Unsegmented: one segment per sequence.
-    ``head``: the head-start schedule's tables (:class:`HeadStart`), None for the plain segmented schedule."""
+    ``seg_offsets`` int32 [N + 1] (first segment of every sequence). Unsegmented: one segment per sequence."""
     S: int
     segments: torch.Tensor
     seg_offsets: torch.Tensor
     segmented: bool
     seg_len: int
-    head: Optional[HeadStart] = None
 
 
 def plan_segments(ci: ChunkIndex, seg_len: Optional[int], device) -> SegmentPlan:
@@ -158,72 +136,6 @@ def _build_segments(ci: ChunkIndex, seg_len: Optional[int], device) -> SegmentPl
     segs = torch.tensor(rows, dtype=torch.int32).reshape(-1, 3)
     return SegmentPlan(len(rows), segs.to(device), torch.tensor(offs, dtype=torch.int32).to(device),
                        seg_len is not None, seg_len or 0)
-
-
-def head_start_rows(nchunks: List[int], first_len: int, seg_len: int):
-    """(first, own, mid) host row lists of the head-start schedule (:class:`HeadStart`): a sequence of more than
-    ``first_len`` chunks is cut after its first ``first_len`` chunks, then every ``seg_len``; a shorter one (an empty
-    one too) is its first segment alone."""
-    first, own, mid = [], [], []
-    for n, nc in enumerate(nchunks):
-        first.append((n, 0, min(nc, first_len)))
-        rest = [(n, c0, min(nc, c0 + seg_len)) for c0 in range(first_len, nc, seg_len)]
-        own.extend(rest)
-        mid.extend(rest[:-1])
-    return first, own, mid
-
-
-def plan_head_start(ci: ChunkIndex, first_len: int, seg_len: int, device) -> SegmentPlan:
-    """The head-start segmented plan (:class:`HeadStart`): first segments of ``first_len`` chunks, the others of
-    ``seg_len``; cached like :func:`plan_segments`."""
-    return _cached(("head", tuple(ci.nchunks), int(first_len), int(seg_len), str(device)),
-                   lambda: _build_head_start(ci, int(first_len), int(seg_len), device))
-
-
-def _build_head_start(ci: ChunkIndex, first_len: int, seg_len: int, device) -> SegmentPlan:
-    if first_len < 1 or seg_len < 1:
-        raise ValueError(f"plan_head_start: segment lengths must be >= 1 chunk (got first {first_len}, "
-                         f"others {seg_len})")
-    first, own, mid = head_start_rows(ci.nchunks, first_len, seg_len)
-    own_off, mid_off = [0], [0]
-    for n, nc in enumerate(ci.nchunks):
-        k = len(range(first_len, nc, seg_len))
-        own_off.append(own_off[-1] + k)
-        mid_off.append(mid_off[-1] + max(0, k - 1))
-
-    def rows(r):
-        return torch.tensor(r, dtype=torch.int32).reshape(-1, 3)
-
-    segs, first_t, mid_t, offs = _to_device_at_once(
-        [rows(own), rows(first), rows(mid), torch.tensor([own_off, mid_off], dtype=torch.int32)], device)
-    head = HeadStart(first_t, mid_t, offs, first_len, len(mid), len(first) + len(own))
-    return SegmentPlan(len(own), segs, offs[0], True, seg_len, head)
-
-
-def head_start_len(ci: ChunkIndex, programs: int, device, ratio: float, min_len: int) -> int:
-    """Chunks per segment (>= ``min_len``; first segments ``round(ratio x`` that``)``) of the shortest head-start
-    segments whose final pass over the segments after the first ones, ``programs`` CTAs per segment, fits one wave of
-    one CTA per SM (the segment pass of the middle segments beside the first ones' final pass then fits too: as many
-    CTAs); 0 where no such plan cuts a sequence."""
-    room, longest = _num_sms(device) // max(1, programs), max(ci.nchunks) if ci.nchunks else 0
-    low = max(1, int(min_len))
-
-    def fits(L: int) -> bool:
-        L0 = max(1, round(ratio * L))
-        return sum(len(range(L0, nc, L)) for nc in ci.nchunks) <= room
-
-    if room < 1 or longest < 2:
-        return 0
-    lo, hi = low - 1, low       # bisection: fits(hi), and lo below the floor or not fitting
-    while not fits(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid
-    return hi if max(1, round(ratio * hi)) < longest else 0
 
 
 _SM_COUNT = {}

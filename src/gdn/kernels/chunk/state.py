@@ -14,13 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import host_plan, tuning
+from .. import tuning
 from ..common import cdiv, l2_rnorm
-from .common import (CHUNK_SIZE, SEQ_END, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _pow2,
-                     _rn, _seq_span, _state_row, _strides3)
+from .common import (CHUNK_SIZE, _TL, _check_chunk_size, _cu_arg, _dot, _dot_dtype, _empty, _launch, _pow2, _rn,
+                     _seq_span, _state_row, _strides3)
 from . import hopper, hopper_segments
-from .plan import (ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, head_start_len, one_wave_segment_len,
-                   one_wave_tile, plan_head_start, plan_segments)
+from .plan import (ChunkIndex, _num_sms, choose_segment_len, get_chunk_index, one_wave_segment_len, one_wave_tile,
+                   plan_segments)
 from .segments import merge_segment_states
 
 
@@ -194,8 +194,6 @@ def _chunk_state_kernel(
                  mask=tl.where(is_t, m_kv, False))
     elif STORE_FINAL:
         row1, ok1 = _state_row(ht_idx, i_s, n, P1, HT_BY_SEG, HT_INDEXED)
-        if HT_BY_SEG == 2:      # SEQ_END: only the segment that ends the sequence
-            ok1 = ok1 & (c_end.to(tl.int64) * 64 >= eos - bos)
         p1 = ht + row1 * s1n + i_hv * s1h + ok[:, None] * s1k + ov[None, :] * s1v
         tl.store(p1, _rn(h, ht.dtype.element_ty), mask=tl.where(ok1, m_kv, False))
 
@@ -275,8 +273,6 @@ def _plan_pass(ci, HV, K, V, dev, sm90, segment_chunks, cfg):
     plain9 = sm90_tile(ci.N * HV)
     seg = choose_segment_len(ci, HV, V, _state_bv(K, V, dev), dev, force=segment_chunks, K=K,
                              plain_cost=max(ci.nchunks) * cfg.state_sm90_step_cost if plain9 else None)
-    if seg is not None and cfg.segment_head_start:
-        return plan_head_start(ci, seg, seg, dev), sm90_tile
     return plan_segments(ci, seg, dev), sm90_tile
 
 
@@ -383,32 +379,7 @@ def _fused_segments(ci: ChunkIndex, HV: int, K: int, V: int, dev, plan, cfg, pla
         cost = _segmented_cost(ci, seg_plan, HV, K, V, bv, dev, cfg)
         if best is None or cost < best[0]:
             best = (cost, bv, seg_plan)
-    if wide and cfg.state_sm90_head_start and _segment_t_pass(cfg, K, V) and V % 128 == 0:
-        # the head-start schedule of the register-state final pass (plan.HeadStart), one wave per phase
-        ratio = float(cfg.state_sm90_head_seg_cost) / float(cfg.state_sm90_head_t_cost)
-        L = head_start_len(ci, HV * (V // 128), dev, ratio, int(cfg.segment_min_len))
-        if L:
-            head_plan = plan_head_start(ci, max(1, round(ratio * L)), L, dev)
-            cost = _head_start_cost(ci, head_plan, cfg)
-            if best is None or cost < best[0]:
-                best = (cost, 128, head_plan)
     return (best[1], best[2]) if best is not None else (0, plan)
-
-
-def _head_start_cost(ci: ChunkIndex, plan, cfg) -> float:
-    """Modelled time of a head-start run (plan.HeadStart) of the register-state final pass, in the units of
-    :func:`_segmented_cost` (its one-wave phases: the first segments' final pass beside the middle segments' segment
-    pass, then the others' final pass): ``state_sm90_head_t_cost`` per final-pass chunk step and
-    ``state_sm90_head_seg_cost`` per segment-pass one, ``state_sm90_merge_cost`` per merge step of the sequence with
-    the most segments and ``state_sm90_head_fixed_cost``."""
-    t, sg = float(cfg.state_sm90_head_t_cost), float(cfg.state_sm90_head_seg_cost)
-    L0, L = plan.head.first_len, plan.seg_len
-    first = min(L0, max(ci.nchunks))
-    mid = L if plan.head.NM else 0
-    own = min(L, max(0, max(ci.nchunks) - L0))
-    steps = 1 + max((-(-max(0, nc - L0) // L) for nc in ci.nchunks), default=0)
-    return (max(first * t, mid * sg) + own * t + float(cfg.state_sm90_merge_cost) * steps
-            + float(cfg.state_sm90_head_fixed_cost))
 
 
 def _segment_t_pass(cfg, K: int, V: int) -> bool:
@@ -572,22 +543,19 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                      CK_C=ck_idx.shape[1], s_ckn=ck_idx.stride(0), CKPT=True)
         ck_kw.update(zip(("s2n", "s2h", "s2k", "s2v"), _state_strides(ck_pool, state_layout)))
 
-    def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, ck=None, segs=None,
-               pdl=None, **flags):
-        segs = plan.segments if segs is None else segs
-        pdl = cfg.pdl if pdl is None else pdl
+    def launch(Vd, bv, S, h_out, vn_out, h0, ht_, h0_idx, ht_idx, P0, P1, s0, s1, n_extra=0, ck=None, **flags):
         if fused and n_extra == 0:
             # Hopper: state pass and output in one warp-specialized kernel (hopper.py)
             hopper.launch_fused_pass(
                 (cdiv(V, bv_fused), HV, S), output["q"], k, xs, bb, mats, output["p"],
                 output["qf"], g_cum, rk_arg, output["o"], h0, ht_, h0_idx if h0_idx is not None else ci.chunk_offsets,
-                ht_idx if ht_idx is not None else ci.chunk_offsets, output["o_idx"], segs, cu, T, P0, P1,
+                ht_idx if ht_idx is not None else ci.chunk_offsets, output["o_idx"], plan.segments, cu, T, P0, P1,
                 output["PO"], sb, s0, s1, H=H, HV=HV, K=K, V=V, use_l2=l2,
                 is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
                 BV=bv_fused, stages=cfg.state_sm90_stages, h_out=h_out, vnew=vn_out, chunk_offsets=ci.chunk_offsets,
                 transposed=bv_fused == 128, load_warp=bv_fused <= int(cfg.state_sm90_load_warp_bv),
-                scale=output.get("scale", 1.0), pdl=pdl, row_scalars=output.get("row_scalars"))
+                scale=output.get("scale", 1.0), pdl=cfg.pdl, row_scalars=output.get("row_scalars"))
             return
         bv9 = sm90_tile(S * HV) if (not fused and n_extra == 0 and Vd == V) else 0
         if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,
@@ -596,16 +564,16 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
             hopper.launch_state_pass(
                 (cdiv(V, bv9), HV, S), k, xs, bb, mats.contiguous(), g_cum, rk_arg, h_out, vn_out, h0, ht_,
                 h0_idx if h0_idx is not None else ci.chunk_offsets, ht_idx if ht_idx is not None else ci.chunk_offsets,
-                segs, cu, ci.chunk_offsets, T, P0, P1, sb, s0, s1, H=H, HV=HV, K=K, V=V,
+                plan.segments, cu, ci.chunk_offsets, T, P0, P1, sb, s0, s1, H=H, HV=HV, K=K, V=V,
                 use_l2=l2, is_varlen=ci.is_varlen, INIT=flags["INIT"], H0_BY_SEG=flags["H0_BY_SEG"],
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
-                from_ainv=from_ainv, BV=bv9, stages=cfg.state_sm90_stages, pdl=pdl)
+                from_ainv=from_ainv, BV=bv9, stages=cfg.state_sm90_stages, pdl=cfg.pdl)
             return
         _launch(_chunk_state_kernel, (cdiv(Vd, bv) + n_extra, HV, S),
                 k, vv, bb, aa, ww, uu, g_cum, rk_arg, h_out if h_out is not None else dummy,
                 vn_out if vn_out is not None else dummy, h0 if h0 is not None else dummy,
                 ht_ if ht_ is not None else dummy, h0_idx if h0_idx is not None else ci.chunk_offsets,
-                ht_idx if ht_idx is not None else ci.chunk_offsets, segs, ci.chunk_offsets, cu,
+                ht_idx if ht_idx is not None else ci.chunk_offsets, plan.segments, ci.chunk_offsets, cu,
                 T, P0, P1, cdiv(Vd, bv), *_strides3(k), *sv, *sb, *s0, *s1,
                 H=H, HV=HV, K=K, V=Vd, KP=KP, BV=bv, USE_L2=l2, IS_VARLEN=ci.is_varlen,
                 FROM_AINV=from_ainv, DT=_TL[dt], PREC=cfg.fp32_dot_precision, SPLIT_H=split_h,
@@ -623,65 +591,36 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                INIT=1 if initial_state is not None else 0, H0_BY_SEG=False, H0_INDEXED=idx is not None, HAS_U=has_u,
                HT_BY_SEG=False, HT_INDEXED=idx is not None, ck=ck_kw)
         return h, v_new, ht
-
-    def segment_pass(segs, S, trans, hloc):
-        """Local states from zero -> hloc [S, HV, K, V] and transition matrices -> trans [S, HV, K, K] of the
-        segments ``segs`` (rows as ``plan.segments``), in one launch."""
-        vl, st = _state_strides(hloc, "v_last"), _state_strides(trans, "v_last")
-        if _segment_t(cfg, k, xs, mats, dt, K, V, split_h, from_ainv):
-            # Hopper, K = V = 128: both in one CTA per (value head, segment), transposed in registers (hopper_segments)
-            hopper_segments.launch_segment_pass_t(
-                k, xs, bb, mats, g_cum, rk_arg, trans, hloc, segs, cu, T, S, sb, st, vl, H=H, HV=HV, K=K, V=V,
-                use_l2=l2, is_varlen=ci.is_varlen, stages=cfg.state_sm90_stages, pdl=cfg.pdl)
-        elif _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h):
-            # Hopper: as the Gluon state pass (INIT 3)
-            bvs = int(cfg.state_sm90_segment_BV)
-            hopper.launch_state_pass(
-                (cdiv(V, bvs) + cdiv(K, bvs), HV, S), k, xs, bb, mats if packed else mats.contiguous(), g_cum,
-                rk_arg, None, None, trans, hloc, ci.chunk_offsets, ci.chunk_offsets, segs, cu, ci.chunk_offsets, T,
-                0, S, sb, st, vl,
-                H=H, HV=HV, K=K, V=V, use_l2=l2, is_varlen=ci.is_varlen, INIT=3, H0_BY_SEG=False, H0_INDEXED=False,
-                HT_BY_SEG=True, HT_INDEXED=False, from_ainv=from_ainv, BV=bvs, stages=cfg.state_sm90_stages,
-                pdl=cfg.pdl)
-        else:
-            launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, st, vl, n_extra=cdiv(K, BV), INIT=3,
-                   H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True, HT_INDEXED=False, segs=segs)
-
-    if packed and not (_segment_t(cfg, k, xs, mats, dt, K, V, split_h, from_ainv)
-                       or _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h)):
-        aa = ainv.contiguous()      # (forward.py packs only where the segment pass is Gluon: segment_pass_sm90_ok)
-    head = plan.head
-    if head is not None:
-        # ---- head-start (plan.HeadStart): the first segments' final pass from the sequences' own initial states (end
-        # states -> firsts) on a side stream, beside the segment pass of the middle segments; the merge from the
-        # first segments' end states; the final pass of the other segments, whose last one stores the final state
-        firsts = _empty(ci.N, HV, K, V, device=dev, dtype=torch.float32)
-        hloc = _empty(head.NM, HV, K, V, device=dev, dtype=torch.float32)
-        trans = _empty(head.NM, HV, K, K, device=dev, dtype=torch.float32)
-        with host_plan.concurrent(dev) as region:
-            with region.side():     # (ordinary launch: its wait is the fork's, not a kernel before it)
-                launch(V, BV, ci.N, h, v_new, initial_state, firsts, idx, None, P, ci.N, s0,
-                       _state_strides(firsts, "v_last"), segs=head.first, pdl=False,
-                       INIT=1 if initial_state is not None else 0, H0_BY_SEG=False, H0_INDEXED=idx is not None,
-                       HAS_U=has_u, HT_BY_SEG=False, HT_INDEXED=False, ck=ck_kw)
-            if head.NM:
-                segment_pass(head.mid, head.NM, trans, hloc)
-        hs = merge_segment_states(trans, hloc, plan, ci, None, ht, None, s0, s1, dummy, out_idx,
-                                  half=dt != torch.float32, firsts=firsts)
-        if plan.S:
-            # (hs is laid out as hloc)
-            launch(V, BV, plan.S, h, v_new, hs, ht, None, out_idx, plan.S, P1, _state_strides(hloc, "v_last"), s1,
-                   INIT=1, H0_BY_SEG=True, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=SEQ_END,
-                   HT_INDEXED=out_idx is not None, ck=ck_kw)
-        return h, v_new, ht
     # ---- segmented: local states from zero, transition matrices, merge, then the pass from the true starts
     S = plan.S
     hloc = _empty(S, HV, K, V, device=dev, dtype=torch.float32)
     trans = _empty(S, HV, K, K, device=dev, dtype=torch.float32)
-    segment_pass(plan.segments, S, trans, hloc)
+    vl = _state_strides(hloc, "v_last")
+    st = _state_strides(trans, "v_last")
+    # one launch: local states (programs 0 .. NV-1) and transition matrices (programs NV .. NV+NK-1)
+    if _segment_t(cfg, k, xs, mats, dt, K, V, split_h, from_ainv):
+        # Hopper, K = V = 128: both in one CTA per (value head, segment), transposed in registers (hopper_segments)
+        hopper_segments.launch_segment_pass_t(
+            k, xs, bb, mats, g_cum, rk_arg, trans, hloc, plan.segments, cu, T, S, sb, st, vl, H=H, HV=HV, K=K, V=V,
+            use_l2=l2, is_varlen=ci.is_varlen, stages=cfg.state_sm90_stages, pdl=cfg.pdl)
+    elif _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h):
+        # Hopper: as the Gluon state pass (INIT 3)
+        bvs = int(cfg.state_sm90_segment_BV)
+        hopper.launch_state_pass(
+            (cdiv(V, bvs) + cdiv(K, bvs), HV, S), k, xs, bb, mats if packed else mats.contiguous(), g_cum, rk_arg,
+            None, None, trans, hloc, ci.chunk_offsets, ci.chunk_offsets, plan.segments, cu, ci.chunk_offsets, T, 0,
+            S, sb, st, vl,
+            H=H, HV=HV, K=K, V=V, use_l2=l2, is_varlen=ci.is_varlen, INIT=3, H0_BY_SEG=False, H0_INDEXED=False,
+            HT_BY_SEG=True, HT_INDEXED=False, from_ainv=from_ainv, BV=bvs, stages=cfg.state_sm90_stages,
+            pdl=cfg.pdl)
+    else:
+        if packed:      # (forward.py packs only where the segment pass is Gluon: segment_pass_sm90_ok)
+            aa = ainv.contiguous()
+        launch(V, BV, S, None, None, trans, hloc, None, None, 0, S, st, vl, n_extra=cdiv(K, BV), INIT=3,
+               H0_BY_SEG=False, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=True, HT_INDEXED=False)
     hs = merge_segment_states(trans, hloc, plan, ci, initial_state, ht, idx, s0, s1, dummy, out_idx,
                               half=dt != torch.float32)
-    launch(V, BV, S, h, v_new, hs, None, None, None, S, 0, _state_strides(hloc, "v_last"), (0, 0, 0, 0), INIT=1,
+    launch(V, BV, S, h, v_new, hs, None, None, None, S, 0, vl, (0, 0, 0, 0), INIT=1,
            H0_BY_SEG=True, H0_INDEXED=False, HAS_U=has_u, HT_BY_SEG=False, HT_INDEXED=False, ck=ck_kw)
     return h, v_new, ht
 

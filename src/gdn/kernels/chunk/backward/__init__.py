@@ -88,13 +88,23 @@ import torch
 
 from ...common import l2_rnorm
 from ... import tuning
-from ...host_plan import planned, side_stream
+from ...host_plan import planned
 from ..common import _dot_dtype, _empty, _state_dtype
 from ..plan import prepare_chunk_indices
 from ..prepare import chunk_fwd_prepare, recompute_w_u
 from ..state import chunk_state_pass
 from .parts import chunk_bwd_main
 from .reverse import chunk_bwd_dh, reverse_plan, runs_sm90, w_in_pass
+
+
+_SIDE_STREAMS = {}
+
+
+def _side_stream(device):
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
 
 
 def wants_forward_w(q, k, v, ci) -> bool:
@@ -175,7 +185,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlen
         and not runs_sm90(rplan, ci, HV, V)
     if concurrent:
         cur = torch.cuda.current_stream(dev)
-        side = side_stream(dev)
+        side = _side_stream(dev)
         # h and v_new are allocated here, on the stream that reads and frees them; the side stream writes them before
         # cur waits for it. (With record_stream instead, their frees were deferred and the caching allocator took
         # fresh device memory on every call while the host ran ahead of the GPU.)
