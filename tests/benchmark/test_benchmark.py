@@ -644,11 +644,14 @@ def test_gpu_session_resumes_a_bench_that_lost_its_cuda_context(tmp_path, monkey
 
 def test_profile_host_times_rows(monkeypatch):
     """``gdn profile --host`` (CUDA calls stood in for on CPU; the op runs on the interpreter): one row per shape and
-    mode with positive host and wall times, written to --out; forward + backward takes longer than the forward."""
+    mode with positive host and wall times, written to --out; forward + backward takes longer than the forward; the
+    host plans the calls made (the forward's, and the backward's too) and none given up, then with a recording that
+    fails (an operator the recorder does not follow) that function named with what stopped it."""
     import json
     import tempfile
 
     import gdn.benchmark.profile as P
+    from gdn.kernels import host_plan
 
     made = P._inputs
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -656,6 +659,8 @@ def test_profile_host_times_rows(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     monkeypatch.setattr(torch.Tensor, "cuda", lambda self, *a, **k: self)
     monkeypatch.setattr(P, "_inputs", lambda N, T, H, HV, device: made(N, T, H, HV, "cpu", K=32, V=32))
+    monkeypatch.setattr(host_plan, "PLAN_CPU", True)
+    monkeypatch.setattr(host_plan, "ENABLED", True)
     with tempfile.TemporaryDirectory() as d:
         out = f"{d}/host.json"
         rows = P.host_times("2x33:1/2", iters=1, forward_only=True, out=out, print_fn=lambda *a: None)
@@ -664,6 +669,18 @@ def test_profile_host_times_rows(monkeypatch):
     assert [(r["shape"], r["mode"]) for r in rows] == [("2x33:1/2", "fwd"), ("2x33:1/2", "fwd+bwd")]
     assert all(r["host_ms"] > 0 and r["wall_ms"] > 0 for r in rows)
     assert rows[1]["wall_ms"] > rows[0]["wall_ms"]
+    assert rows[0]["planned"] >= 1 and rows[1]["planned"] > rows[0]["planned"]
+    assert rows[0]["unplanned"] == {} and rows[1]["unplanned"] == {}
+    from gdn.kernels.chunk import forward
+    real_prepare = forward.chunk_fwd_prepare
+
+    def prepare_after_a_computation(*args, **kwargs):
+        torch.zeros(1).add_(1.0)        # an operator the recorder does not replay
+        return real_prepare(*args, **kwargs)
+
+    monkeypatch.setattr(forward, "chunk_fwd_prepare", prepare_after_a_computation)
+    row, = P.host_times("2x33:1/2", iters=1, forward_only=True, print_fn=lambda *a: None)
+    assert row["planned"] == 0 and any("add" in why for why in row["unplanned"].values()), row
 
 
 def test_profile_varlen_packs_the_sequences(monkeypatch):

@@ -293,6 +293,42 @@ def test_workspace_reuses_the_bytes_of_dead_intermediates(plans, device):
 
 
 @host_plan.planned
+def _scalars_in_rows(x, out=None):
+    """The pattern of hopper.row_scalar_pack: fp32 values written into the bytes of a 16-bit tensor (``out``, an
+    input, or an allocation) through a reinterpreting view, read back through another one, then overwritten; and an
+    intermediate (in the plan's workspace) read through a view of its bytes in another dtype."""
+    n = x.numel()
+    o = out if out is not None else torch.empty(2 * n, dtype=torch.bfloat16, device=x.device)
+    f = o.view(torch.float32)                         # [n] fp32 over the 2 n bf16 elements
+    _axpy(x, x, 1.0, f)                               # f = 2 x
+    tmp = torch.empty(n, dtype=torch.float32, device=x.device)
+    _axpy(f, x, 1.0, tmp)                             # tmp = 3 x
+    half = tmp.view(torch.bfloat16)[: n].view(torch.float32)   # tmp's first half through a bf16 view
+    res = torch.empty(n // 2, dtype=torch.float32, device=x.device)
+    _axpy(half, f[n // 2:], 1.0, res)                 # res = 3 x[:n/2] + 2 x[n/2:]
+    return o, res
+
+
+def test_replay_of_reinterpreting_views(plans, device):
+    """Views of an allocation's, an input's and an intermediate's bytes in another dtype ("rv" templates; o's rows
+    holding fp32 scalars in the sm_90 forward) are planned, and the replay writes and reads the same bytes as the
+    Python path, in the output and in the caller's ``out``."""
+    for with_out in (False, True):
+        for _ in range(CALLS):
+            x = torch.randn(64, device=device)
+            out = torch.full((128,), float("nan"), dtype=torch.bfloat16, device=device) if with_out else None
+            o, res = _scalars_in_rows(x, out)
+            assert o.dtype == torch.bfloat16 and o.shape == (128,) and (out is None or o is out)
+            torch.testing.assert_close(o.view(torch.float32), 2 * x)
+            torch.testing.assert_close(res, 3 * x[:32] + 2 * x[32:])
+    st = plans.stats()
+    assert st["plans"] == 2 and st["given_up"] == 0, st
+    kinds = {a[1][0] for e in host_plan._PLANS.values() for s in e.plan.steps if s[0] == "launch" for a in s[3]
+             if a[0] == "t"}
+    assert "rv" in kinds and "wv" in kinds, kinds
+
+
+@host_plan.planned
 def _computes(x):
     out = torch.empty_like(x)
     _axpy(x * 1.0, x, 1.0, out)       # a computation in torch: an operator the plan does not replay

@@ -416,8 +416,8 @@ def _emulated_fused_plan(monkeypatch, B, T, H, HV, K=128):
     (4, 4096, 16, 32, True, 64),     # the caller keeps h / v_new: the hand-off kernel at V tile 64
     (1, 8192, 16, 32, False, 32),    # one wave at V tile 32
     (1, 32768, 64, 64, False, 64),   # one wave at V tile 64
-    (1, 8192, 16, 64, False, 64),    # ... with key heads shared too (chunk_fwd.state_sm90_t_gva_min: the test below)
-    (2, 8192, 16, 32, False, 64),
+    (1, 8192, 16, 64, False, 128),   # ... with key heads shared: the register-state kernel (state_sm90_t_gva_min)
+    (2, 8192, 16, 32, False, 128),   # two value heads per key head (state_sm90_t_gva_min)
     (1, 8192, 8, 16, False, 16),     # few heads: 128 CTAs at V tile 16 (chunk_fwd.state_sm90_narrow_bv)
     (1, 32768, 8, 16, False, 16),
     (1, 8192, 8, 16, True, 32),      # the caller keeps h / v_new: not narrowed
@@ -450,10 +450,10 @@ def test_fused_forward_tile_choice(monkeypatch, B, T, H, HV, states, want):
     (1, 65536, 16, 32, False, (128, 256)),  # (1795 -> 1718)
     (1, 16384, 16, 32, False, (128, 64)),   # a tie (470 / 467): segmented for its peak (no P, Ainv in o's rows)
     (1, 8192, 16, 32, False, (32, None)),   # segments lose (242 -> 256)
-    (1, 8192, 16, 64, False, (64, None)),   # 16/64: segments lose (436 -> 467)
+    (1, 8192, 16, 64, False, (128, None)),  # 16/64: segments lose (436 -> 467); key heads shared: V tile 128
     (1, 32768, 64, 64, False, (64, None)),  # 64/64: no P to save at V tile 64
     (1, 32768, 16, 32, True, (32, None)),   # the caller keeps h / v_new: no register-state pass, nothing offered
-    (2, 32768, 16, 32, False, (64, None)),  # two sequences: no one-wave segments
+    (2, 32768, 16, 32, False, (128, None)),  # two sequences: no one-wave segments; V tile 128 (shared key heads)
 ])
 def test_fused_forward_offers_segments_to_long_sequences(monkeypatch, B, T, H, HV, states, want):
     """Where the planner keeps one long sequence over many heads whole (plan.choose_segment_len prices the older
@@ -486,7 +486,7 @@ def test_fused_forward_offers_segments_to_long_sequences(monkeypatch, B, T, H, H
     (4, 4096, 16, 32, False, (128, 128)),  # past one wave at 64: the register-state kernel anyway
 ])
 def test_fused_forward_register_state_for_shared_key_heads(monkeypatch, B, T, H, HV, states, want):
-    """chunk_fwd.state_sm90_t_gva_min (pending, off by default): an unsegmented plan whose one-wave tile is V tile 64
+    """chunk_fwd.state_sm90_t_gva_min (2 by default): an unsegmented plan whose one-wave tile is V tile 64
     takes the register-state kernel (V tile 128, half the CTAs) where value heads per key head reach the field;
     on an emulated 132-SM sm_90."""
     from gdn.kernels import tuning

@@ -174,10 +174,13 @@ def host_times(shapes: str, iters: int = 20, forward_only: bool = False, out=Non
     ``cu_seqlens`` with its host copy ``cu_seqlens_cpu``; ``N`` sequences of ``T`` tokens): ``host_ms``, the CPU time
     to enqueue one call while the GPU is held busy (``torch.cuda._sleep`` ahead, so no call waits for the GPU);
     ``wall_ms``, the time per call back to back (what ``gdn bench`` sees). ``host_ms`` near ``wall_ms``: the row is
-    host-bound. Best of three rounds of ``iters`` calls each. Returns rows ``{shape, mode, host_ms, wall_ms}``."""
+    host-bound. Best of three rounds of ``iters`` calls each. Returns rows ``{shape, mode, host_ms, wall_ms, planned,
+    unplanned}``: the host plans made for the shape's calls (:func:`gdn.kernels.host_plan.stats`) and, per planned
+    function whose recording failed, what stopped it (a call that runs its Python path every time)."""
     import json
     import time
 
+    from gdn.kernels import host_plan
     from gdn.ops import chunk_gated_delta_rule
 
     if not torch.cuda.is_available():
@@ -196,6 +199,7 @@ def host_times(shapes: str, iters: int = 20, forward_only: bool = False, out=Non
                 if not forward_only:
                     torch.autograd.grad(o, (q, k, v, gl, beta), do)
 
+        host_plan.clear()
         for _ in range(3):
             step()
         torch.cuda.synchronize()
@@ -208,9 +212,12 @@ def host_times(shapes: str, iters: int = 20, forward_only: bool = False, out=Non
             host.append((time.perf_counter() - t0) / iters * 1e3)
             torch.cuda.synchronize()
         wall = [t * 1e3 for t in _walls(step, iters)]
-        row = dict(shape=f"{N}x{T}:{H}/{HV}", mode=mode, host_ms=min(host), wall_ms=min(wall))
+        st = host_plan.stats()
+        row = dict(shape=f"{N}x{T}:{H}/{HV}", mode=mode, host_ms=min(host), wall_ms=min(wall), planned=st["plans"],
+                   unplanned=st["why"])
         print_fn(f"{row['shape']:>16} {mode:7}  host {row['host_ms']:.3f} ms  wall {row['wall_ms']:.3f} ms"
-                 f"{'  (host-bound)' if row['host_ms'] > 0.9 * row['wall_ms'] else ''}")
+                 f"{'  (host-bound)' if row['host_ms'] > 0.9 * row['wall_ms'] else ''}"
+                 f"  host plans {st['plans']}{'  NOT planned: ' + str(st['why']) if st['why'] else ''}")
         rows.append(row)
     if out:
         with open(out, "w") as f:

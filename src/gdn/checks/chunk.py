@@ -667,8 +667,9 @@ def chunk_host_plans(device):
     reads no device values): four calls with fresh inputs of one key (plain, recorded, two replays), each against
     the same call with plans off: o and the final state (or the pool, updated in place) bitwise equal, and the
     public plan replayed. A small varlen batch with ``cu_seqlens_cpu`` and a bf16 pool with padding rows and index
-    checks skipped (``GDN_SKIP_VALUE_CHECKS``); on sm_90 also 1x8192 16/32, 1x8192 4/8 (segmented) and 4x1024 16/32
-    (the register-state path, Ainv / P packed into o) in bf16."""
+    checks skipped (``GDN_SKIP_VALUE_CHECKS``); on sm_90 also 1x8192 16/32, 1x8192 4/8 (segmented), 4x1024 16/32
+    (the register-state path, Ainv / P packed into o) and 1x2048 64/64 (V tile 64 forming P, the per-token scalars
+    in o's rows) in bf16."""
     import os
 
     from ..kernels import host_plan, launch
@@ -682,7 +683,9 @@ def chunk_host_plans(device):
         big = dict(K=128, V=128)
         cases += [("1x8192 16/32", dict(big, H=16, HV=32), [8192], torch.bfloat16, False),
                   ("1x8192 4/8", dict(big, H=4, HV=8), [8192], torch.bfloat16, False),
-                  ("4x1024 16/32", dict(big, H=16, HV=32), [1024] * 4, torch.bfloat16, False)]
+                  ("4x1024 16/32", dict(big, H=16, HV=32), [1024] * 4, torch.bfloat16, False),
+                  # the V tile 64 kernel forming P: g_cum, r_k and flags in o's rows through an fp32 view of o
+                  ("1x2048 64/64", dict(big, H=64, HV=64), [2048], torch.bfloat16, False)]
     saved = launch.VERIFY, host_plan.ENABLED, host_plan.PLAN_CPU, os.environ.get("GDN_SKIP_VALUE_CHECKS")
     launch.VERIFY, host_plan.PLAN_CPU = False, device.type == "cpu"
     out = []

@@ -152,9 +152,10 @@ def _call_key(fn, args, kwargs):
 # ----------------------------------------------------------------------------------------------------------------------
 # tensor templates: ("in", i) input i itself; ("iv", i, size, stride, offset) a view of input i (offset relative to
 # the input's own); ("al", j) allocation j itself; ("av", j, size, stride, offset); ("c", t) a tensor from before the
-# call; ("e", size, stride, dtype, device) an empty tensor; in plans only, ("wv", w, byte offset, size, stride, dtype)
-# an intermediate in the workspace allocation w (_Plan). Values: ("t", template), ("d", type, fields, template) a
-# TMA descriptor, ("v", value).
+# call; ("e", size, stride, dtype, device) an empty tensor; ("rv", base, size, stride, byte offset, dtype) the bytes of
+# a dense allocation or input (template ``base``) in another dtype; in plans only, ("wv", w, byte offset, size, stride,
+# dtype) an intermediate in the workspace allocation w (_Plan). Values: ("t", template), ("d", type, fields, template)
+# a TMA descriptor, ("v", value).
 def _last(size, stride) -> int:
     """The offset of a non-empty tensor's last element from its first, in elements."""
     return sum((s - 1) * st for s, st in zip(size, stride))
@@ -191,20 +192,39 @@ class _Recorder(TorchDispatchMode):
         if owner[0] == "al":
             j = owner[1]
             size, stride, dtype, _ = self.allocs[j]
-            if t.dtype != dtype:
-                raise _Unplannable
+            if t.dtype != dtype:    # its bytes in another dtype (o's rows holding fp32 scalars: hopper.row_scalar_pack)
+                return self._reinterpreted(t, ("al", j), *self.allocs[j][:3])
             if tuple(t.shape) == size and t.stride() == stride and t.storage_offset() == 0:
                 return ("al", j)
             return ("av", j, tuple(t.shape), t.stride(), t.storage_offset())
         lo, hi = _extent(t)
         for i in owner[1]:      # (inputs on one storage keep their distances in every call of the key: _aliasing)
             x = self.inputs[i]
+            if x.dtype != t.dtype:
+                try:
+                    return self._reinterpreted(t, ("in", i), tuple(x.shape), x.stride(), x.dtype, x)
+                except _Unplannable:
+                    continue
             xlo, xhi = _extent(x)
-            if x.dtype == t.dtype and xlo <= lo and hi <= xhi:
+            if xlo <= lo and hi <= xhi:
                 if tuple(t.shape) == tuple(x.shape) and t.stride() == x.stride() and lo == xlo:
                     return ("in", i)
                 return ("iv", i, tuple(t.shape), t.stride(), lo - xlo)
         raise _Unplannable
+
+    @staticmethod
+    def _reinterpreted(t, base, size, stride, dtype, x=None):
+        """("rv", base, shape, stride, byte offset, dtype): ``t`` viewing the bytes of the dense tensor ``base``
+        (an allocation, or input ``x``) [size, stride, dtype] in its own dtype, at a byte offset from base's first
+        element that is a multiple of t's element size, inside base's bytes."""
+        if not _contiguous(size, stride):
+            raise _Unplannable
+        start = x.data_ptr() if x is not None else t.untyped_storage().data_ptr()
+        off = t.data_ptr() - start
+        if off < 0 or off % t.element_size() or off + _nbytes(t.shape, t.stride(), t.dtype) > _nbytes(size, stride,
+                                                                                                     dtype):
+            raise _Unplannable
+        return ("rv", base, tuple(t.shape), t.stride(), off, t.dtype)
 
     def value(self, a):
         if isinstance(a, torch.Tensor):
@@ -336,7 +356,9 @@ def _uses(tmpl, out: set) -> None:
 
 
 def _uses_tensor(t, out: set) -> None:
-    if t[0] in ("al", "av", "wv"):
+    if t[0] == "rv":
+        _uses_tensor(t[1], out)
+    elif t[0] in ("al", "av", "wv"):
         out.add(("al", t[1]))
     elif t[0] in ("in", "iv"):
         out.add(("in", t[1]))
@@ -417,6 +439,8 @@ class _Plan:
             if t[0] == "av" and t[1] in where:
                 dtype = self.allocs[t[1]][2]
                 return ("wv", w, where[t[1]] + t[4] * dtype.itemsize, t[2], t[3], dtype)
+            if t[0] == "rv" and t[1][0] == "al" and t[1][1] in where:
+                return ("wv", w, where[t[1][1]] + t[4], t[2], t[3], t[5])
             return t
 
         def value(v):
@@ -609,6 +633,11 @@ def _tensor(t, inputs, allocs):
     if kind == "wv":
         x = allocs[t[1]].view(t[5])
         return x.as_strided(t[3], t[4], t[2] // x.element_size())
+    if kind == "rv":
+        x = _tensor(t[1], inputs, allocs)
+        first = x.storage_offset() * x.element_size() + t[4]
+        return torch.empty(0, dtype=t[5], device=x.device).set_(x.untyped_storage(), first // t[5].itemsize, t[2],
+                                                                t[3])
     if kind == "c":
         return t[1]
     return torch.empty_strided(t[1], t[2], dtype=t[3], device=t[4])
@@ -628,6 +657,8 @@ def _pointer(t, inputs, allocs):
     if kind == "av" or kind == "iv":     # an allocation's offset is from its start, an input view's from the input's
         x = allocs[t[1]] if kind == "av" else inputs[t[1]]
         return x.data_ptr() + t[4] * x.element_size()
+    if kind == "rv":                     # a byte offset from its base's first element
+        return _pointer(t[1], inputs, allocs) + t[4]
     if kind == "c":
         return t[1].data_ptr()
     return _tensor(t, inputs, allocs)

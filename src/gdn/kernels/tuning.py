@@ -178,13 +178,13 @@ class ChunkForward:
     state_sm90_prepare_p_cost: float = 0.0028
     # sm_90 inference forward, unsegmented, whose grid fits one wave at V tile 64 but not 32 (33 - 66 sequences x
     # value heads): the register-state kernel (V tile 128, half the CTAs, P formed in it) where value heads per key
-    # head >= this (0 = never). Pending GPU A/B (bench/NOTES.md): H200 kernel sums, V tile 64 / 128 alternating
-    # twice (bench/results/fwd_t_gva_one_wave_h200.json): 16/64 1x2048 118 -> 110 us, 1x4096 226 -> 209, 1x8192
-    # 434 -> 400, 1x16384 (two pieces) 844 -> 838; 32/64 1x8192 432 -> 421; 64/64 1x32768 1679 -> 1755 (the
-    # prepare's q read for q's row scalings, 396 -> 454; fwd_stages3_bv128_h200.json); but gdn bench's device time
-    # per call at 16/64 1x8192 only 0.428 -> 0.423 ms (kernels 400 us in a 423 us call, where V tile 64's 435 us
-    # take 428)
-    state_sm90_t_gva_min: int = 0
+    # head >= this (0 = never). H200 kernel sums, V tile 64 / 128 alternating twice
+    # (bench/results/fwd_t_gva_one_wave_h200.json): 16/64 1x2048 118 -> 110 us, 1x4096 226 -> 209, 1x8192 434 -> 400,
+    # 1x16384 (two pieces) 844 -> 838; 32/64 1x8192 432 -> 421; 64/64 1x32768 1679 -> 1755 (no shared key heads: the
+    # prepare's q read for q's row scalings, 396 -> 454), hence the GVA condition. gdn bench's device time at 16/64
+    # 1x8192 is a tie (0.4229 -> 0.4216 ms, PDL; 0.4302 -> 0.4246 without), its peak 196 -> 136 MB (no P buffer:
+    # FlashInfer's 196; bench/results/fwd_t_gva_bench_ab_h200.json)
+    state_sm90_t_gva_min: int = 2
     # sm_90: the fused state + output kernel (V tile 32 / 64) with P and qf formed by its output partition (Q K^T,
     # Q Q^T for r_q, Gamma from g_cum and r_k) instead of read from the prepare kernel, which then reads no q and
     # writes no P: unsegmented plans at V tile >= this
