@@ -431,7 +431,7 @@ def compile_hopper_segment_t_pass(dtype=None, **flags):
     cx = dict(H=H, HV=HV, K=K, V=V, USE_L2=True, IS_VARLEN=True, NS=2, WREGS=ms.SEG_CHAIN_REGS,
               LREGS=ms.SEG_LOADER_REGS, num_warps=4)
     cx.update(flags)
-    return compile_gluon(ms._segment_t_sm90_kernel, args, cx)
+    return compile_gluon(ms._segment_t_sm90_kernel, args, cx, num_warps=cx["num_warps"])
 
 
 def compile_hopper_dh_pass(BV=32, NS=2, dtype=None, K=128, **flags):
@@ -565,6 +565,10 @@ FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=
 # the one-CTA-per-(value head, segment) segment pass (chunk_fwd.state_sm90_segment_t): varlen / batched, with and
 # without the L2 norm, Ainv in its own buffer or packed into o's rows (head pitch 128), with PDL
 SEGMENT_T_CONFIGS = [dict(PDL=True), dict(PDL=True, AP=128), dict(IS_VARLEN=False, USE_L2=False), dict(NS=3)]
+# ... its two chain warpgroups as one 8-warp partition (one loop body; chunk_fwd.state_sm90_segment_t_one_body,
+# pending a GPU A/B)
+SEGMENT_T_CONFIGS += [dict(PDL=True, ONE=True, num_warps=8), dict(PDL=True, AP=128, ONE=True, num_warps=8),
+                      dict(IS_VARLEN=False, USE_L2=False, ONE=True, num_warps=8)]
 
 FUSED_T_CONFIGS = [dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,
                         USE_L2=False), dict(H0_BY_SEG=True, H0_INDEXED=False, STORE_FINAL=False)]
@@ -663,20 +667,23 @@ def default_partition_regs(compiled, worker_regs) -> int:
     region, by the scheme of Triton's AllocateWarpGroups pass (3.6 - 3.9): the kernel launches
     ``metadata.num_warps`` warps (every partition padded to whole warpgroups) at 65536 / threads registers each,
     rounded down to 8; each worker warpgroup claims its ``worker_regs`` entry (rounded up to 8) and the default
-    partition gets what is left of the pool, rounded down to 8, at most 256. Outside the region the default partition
-    holds 256 and the idle workers give theirs back, so no claim can exceed the pool: what the split decides is how
-    many registers each partition's code is compiled for (ptxas spills past it)."""
+    partition (one warpgroup, or more: the rest of the warps) gets what is left of the pool per thread, rounded down
+    to 8, at most 256. Outside the region the default partition holds 256 and the idle workers give theirs back, so
+    no claim can exceed the pool: what the split decides is how many registers each partition's code is compiled for
+    (ptxas spills past it)."""
     warps = compiled.metadata.num_warps
     launch = 65536 // (warps * 32) // 8 * 8
+    default_groups = warps // 4 - len(worker_regs)
     pool = (warps // 4) * launch
-    return min(256, (pool - sum(-(-r // 8) * 8 for r in worker_regs)) // 8 * 8)
+    return min(256, (pool - sum(-(-r // 8) * 8 for r in worker_regs)) // max(1, default_groups) // 8 * 8)
 
 
 def register_pool_problem(compiled, worker_regs) -> str:
     """'' when the PTX of a warp-specialized kernel follows the register split of :func:`default_partition_regs`
     (each worker's claim, and the default partition's share inside the region when below 256, are ``setmaxnreg``
-    instructions of the PTX; one warpgroup per partition), else why not: a change of the scheme in a new Triton, to
-    be read before trusting the partitions' budgets."""
+    instructions of the PTX; one warpgroup per worker partition, one or more for the default one: its share then
+    claimed by a ``setmaxnreg.inc`` or ``.dec``), else why not: a change of the scheme in a new Triton, to be read
+    before trusting the partitions' budgets."""
     import re
 
     found = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm["ptx"])
@@ -685,12 +692,13 @@ def register_pool_problem(compiled, worker_regs) -> str:
     if missing:
         return f"no setmaxnreg to {missing} in the PTX (claims {sorted(claims)}): the scheme changed"
     warps = compiled.metadata.num_warps
-    if warps // 4 != 1 + len(worker_regs):
-        return f"{warps} warps are not one warpgroup per partition ({1 + len(worker_regs)} partitions)"
+    if warps % 4 or warps // 4 < 1 + len(worker_regs):
+        return f"{warps} warps are not whole warpgroups, one or more per partition ({1 + len(worker_regs)} partitions)"
+    wide = warps // 4 > 1 + len(worker_regs)        # a default partition of several warpgroups
     default = default_partition_regs(compiled, worker_regs)
     if default < 24:
         return f"the workers' claims {worker_regs} leave the default partition {default} registers"
-    if default < 256 and ("dec", str(default)) not in found:
+    if default < 256 and ("dec", str(default)) not in found and not (wide and ("inc", str(default)) in found):
         return f"no setmaxnreg.dec to the default partition's share {default} (claims {sorted(claims)})"
     return ""
 
@@ -865,7 +873,7 @@ def _compile_hopper() -> int:
             return [m.OUTPUT_PARTITION_REGS] + ([m.T_LOADER_REGS] if cfg.get("TMA_WARP", _load_warp(cfg["BV"])) else [])
         if build is compile_hopper_segment_t_pass:
             from .kernels.chunk import hopper_segments as ms
-            return [ms.SEG_CHAIN_REGS, ms.SEG_LOADER_REGS]
+            return [ms.SEG_LOADER_REGS] if cfg.get("ONE") else [ms.SEG_CHAIN_REGS, ms.SEG_LOADER_REGS]
         if build is compile_hopper_fused_t_pass:
             return ([m.T_PA_CHAIN_REGS, m.T_PA_AUX_REGS, m.T_PA_LOADER_REGS] if cfg.get("PA")
                     else [m.T_CHAIN_REGS, m.T_LOADER_REGS])

@@ -49,7 +49,8 @@ def test_register_split_of_warp_specialized_kernels():
     """gdn.aot's model of the register split (Triton's AllocateWarpGroups pass) against the PTX: the register-state
     kernel as launched passes (the default partition keeps 256 = 3 x 168 - 216 - 32); with a load warp asking for 48
     the default partition's share drops to 240 (a ``setmaxnreg.dec 240`` in the PTX, no overcommitted pool); a
-    worker claim that is not in the PTX is reported."""
+    worker claim that is not in the PTX is reported; a default partition of two warpgroups (the one-body segment
+    pass) gets the pool's rest per thread (240, by a ``setmaxnreg.inc``)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     src = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "src"))
     env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -64,7 +65,11 @@ def test_register_split_of_warp_specialized_kernels():
             "c = A.compile_hopper_fused_t_pass(LREGS=48)\n"
             "w = [m.T_CHAIN_REGS, 48]\n"
             "print(repr(A.register_pool_problem(c, w)), A.default_partition_regs(c, w))\n"
-            "print(A.register_pool_problem(c, [m.T_CHAIN_REGS, 40]))\n")
+            "print(A.register_pool_problem(c, [m.T_CHAIN_REGS, 40]))\n"
+            "from gdn.kernels.chunk import hopper_segments as ms\n"
+            "c = A.compile_hopper_segment_t_pass(ONE=True, num_warps=8)\n"
+            "w = [ms.SEG_LOADER_REGS]\n"
+            "print(repr(A.register_pool_problem(c, w)), A.default_partition_regs(c, w))\n")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     out = r.stdout.strip().splitlines()
@@ -73,6 +78,9 @@ def test_register_split_of_warp_specialized_kernels():
     assert out[0] == "'' 256", out
     assert out[1] == "'' 240", out
     assert "no setmaxnreg to [40]" in out[2], out
+    # a default partition of two warpgroups (the one-body segment pass: 8 chain warps and the load warp's group):
+    # (3 x 168 - 24) x 128 registers over its 256 threads
+    assert out[3] == "'' 240", out
 
 
 def test_sm90_prepare_register_caps():

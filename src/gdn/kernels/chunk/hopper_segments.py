@@ -73,16 +73,18 @@ if G.AVAILABLE:
     @gluon.jit
     def _seg_t_steps(k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end, half,
                      s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-                     K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr):
+                     K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, ONE: gl.constexpr = False,
+                     W: gl.constexpr = 4, HB: gl.constexpr = 64):
         """One warpgroup's 64 rows (``half``) of S^T and of M^T over the segment's chunks (module docstring); the
         stage's tiles and gate rows come from ``_t_loader`` (rows 0 e^g r_k, 1 beta, 2 e^(g_last - g) r_k, 4
         e^(g_last)); the stage is released on ``emp``. Then S^T -> hloc[i_s] (strides s1*), M^T -> trans[i_s] (s0*),
-        each as the [K, *] state its transpose is."""
+        each as the [K, *] state its transpose is. ONE: all 128 rows in this 8-warp partition (``half`` 0), each
+        warpgroup's products on its 64 rows of the same tiles: one loop body for both warpgroups (W = 8 warps, HB =
+        128 rows; else 4 and 64)."""
         C: gl.constexpr = 64
-        HB: gl.constexpr = 64
         dt: gl.constexpr = k_s.dtype
-        m64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, C, 16])
-        mK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
+        m64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
+        mK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
         opK: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mK, k_width=2)
         cols: gl.constexpr = gl.SliceLayout(0, m64)
         to = gl.arange(0, C, layout=cols)
@@ -91,7 +93,7 @@ if G.AVAILABLE:
         st = gl.zeros([HB, K], gl.float32, layout=mK)
         mt = gl.where(vr[:, None] == kc[None, :], 1.0, 0.0)
         zero = gl.zeros([HB, C], gl.float32, layout=m64)
-        one: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])   # a [1] row: every thread holds the element
+        one: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])   # a [1] row: every thread holds the element
         for c in range(c_beg, c_end):
             it = c - c_beg
             s = it % NS
@@ -101,11 +103,16 @@ if G.AVAILABLE:
             if partial:
                 # the next sequence's k rows out of X^T += d^T k: each partition zeros its half of the columns, then
                 # waits for the other's (``kz``, once per program)
-                HP._zero_rows_past(k_s.index(s).slice(half * (K // 2), K // 2, dim=1), eos - bos - c * C, 4)
-                fence_async_shared()
-                cta_barrier()
-                mbarrier.arrive(kz, count=1)
-                mbarrier.wait(kz, 0)
+                if ONE:
+                    HP._zero_rows_past(k_s.index(s), eos - bos - c * C, W)
+                    fence_async_shared()
+                    cta_barrier()
+                else:
+                    HP._zero_rows_past(k_s.index(s).slice(half * (K // 2), K // 2, dim=1), eos - bos - c * C, 4)
+                    fence_async_shared()
+                    cta_barrier()
+                    mbarrier.arrive(kz, count=1)
+                    mbarrier.wait(kz, 0)
             gts = s * 8
             kt = k_s.index(s).permute((1, 0))
             at = a_s.index(s).permute((1, 0))
@@ -132,12 +139,13 @@ if G.AVAILABLE:
         T, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, USE_L2: gl.constexpr,
         IS_VARLEN: gl.constexpr, NS: gl.constexpr, WREGS: gl.constexpr, LREGS: gl.constexpr,
-        num_warps: gl.constexpr, PDL: gl.constexpr = False, AP: gl.constexpr = 64,
+        num_warps: gl.constexpr, PDL: gl.constexpr = False, AP: gl.constexpr = 64, ONE: gl.constexpr = False,
     ):
         """The segment pass, one CTA per (value head ``program_id(0)``, segment ``program_id(1)``): two chain
         partitions (``_seg_t_steps``, 64 rows of S^T and M^T each) and the load warp (``hopper._t_loader`` in MN
         mode) side by side. AP: the columns between two value heads' Ainv tiles (64: its own buffer; 128: packed
-        into o's rows, as the segmented register-state run's prepare writes it)."""
+        into o's rows, as the segmented register-state run's prepare writes it). ONE: the chains as one 8-warp
+        partition over all 128 rows (launched with 8 warps; one loop body in the instruction cache instead of two)."""
         C: gl.constexpr = 64
         pdl_enter(PDL)
         i_hv = gl.program_id(0)
@@ -154,16 +162,25 @@ if G.AVAILABLE:
         mbarrier.init(kz, count=2)
         for j in gl.static_range(NS):
             mbarrier.init(bars.index(j), count=2)      # the TMA's expect-arrive and the gate rows' arrive
-            mbarrier.init(emp.index(j), count=2)       # the two chain partitions
-        gl.warp_specialize([
-            (_seg_t_steps, (k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end, 0,
-                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS)),
-            (_seg_t_steps, (k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end, 1,
-                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS)),
-            (HP._t_loader, (k_desc, v_desc, a_desc, k_desc, a_desc, k_s, v_s, a_s, k_s, a_s, bars, emp, gt_s,
-                            beta, gcum, rk_in, gcum, 0, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
-                            H, HV, K, V, V, USE_L2, NS, AP, False, 1.0, True)),
-        ], [4, 1], [WREGS, LREGS])
+            mbarrier.init(emp.index(j), count=1 if ONE else 2)       # the chain partitions
+        if ONE:
+            gl.warp_specialize([
+                (_seg_t_steps, (k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end,
+                                0, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS, True, 8, 128)),
+                (HP._t_loader, (k_desc, v_desc, a_desc, k_desc, a_desc, k_s, v_s, a_s, k_s, a_s, bars, emp, gt_s,
+                                beta, gcum, rk_in, gcum, 0, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
+                                H, HV, K, V, V, USE_L2, NS, AP, False, 1.0, True)),
+            ], [1], [LREGS])
+        else:
+            gl.warp_specialize([
+                (_seg_t_steps, (k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end,
+                                0, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS)),
+                (_seg_t_steps, (k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end,
+                                1, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS)),
+                (HP._t_loader, (k_desc, v_desc, a_desc, k_desc, a_desc, k_s, v_s, a_s, k_s, a_s, bars, emp, gt_s,
+                                beta, gcum, rk_in, gcum, 0, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
+                                H, HV, K, V, V, USE_L2, NS, AP, False, 1.0, True)),
+            ], [4, 1], [WREGS, LREGS])
 
 
 def segment_t_ok(k: torch.Tensor, v: torch.Tensor, ainv: torch.Tensor, K: int, V: int) -> bool:
@@ -174,10 +191,11 @@ def segment_t_ok(k: torch.Tensor, v: torch.Tensor, ainv: torch.Tensor, K: int, V
 
 
 def launch_segment_pass_t(k, v, beta, ainv, g_cum, rk, trans, hloc, segments, cu_seqlens, T, S, s_beta, s0, s1, *,
-                          H, HV, K, V, use_l2, is_varlen, stages=2, pdl=False):
+                          H, HV, K, V, use_l2, is_varlen, stages=2, pdl=False, one_body=False):
     """Launch the segment pass over (HV, S): local states -> ``hloc`` [S, HV, K, V], transitions -> ``trans``
     [S, HV, K, K] (fp32, with their strides ``s1`` / ``s0``), from k, v, beta, Ainv (its own buffer or o's rows at
-    pitch 128), g_cum and the L2 row scalings ``rk`` (``segment_t_ok`` must have said yes)."""
+    pitch 128), g_cum and the L2 row scalings ``rk`` (``segment_t_ok`` must have said yes). ``one_body``: both chain
+    warpgroups as one 8-warp partition (``_seg_t_steps`` ONE)."""
     dn = HP._GL_DT[k.dtype]
     k_desc = HP._desc(HP._rows2d(k), (HP.CHUNK, K), dn)
     v_desc = HP._desc(HP._rows2d(v), (HP.CHUNK, V), dn)
@@ -187,7 +205,8 @@ def launch_segment_pass_t(k, v, beta, ainv, g_cum, rk, trans, hloc, segments, cu
            k_desc, v_desc, a_desc, beta, g_cum, rk, hloc, trans, segments, cu_seqlens,
            T, *s_beta, *s0, *s1,
            H=H, HV=HV, K=K, V=V, USE_L2=use_l2, IS_VARLEN=is_varlen, NS=stages, WREGS=SEG_CHAIN_REGS,
-           LREGS=SEG_LOADER_REGS, num_warps=4, **({"AP": ap} if ap != HP.CHUNK else {}),
+           LREGS=SEG_LOADER_REGS, num_warps=8 if one_body else 4, **({"ONE": True} if one_body else {}),
+           **({"AP": ap} if ap != HP.CHUNK else {}),
            **pdl_args(pdl, k.device))
 
 
