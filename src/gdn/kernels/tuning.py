@@ -163,11 +163,6 @@ class ChunkForward:
     # leaves 1x8192 8/16 unsegmented (164)
     state_sm90_segment_t: bool = True
     state_sm90_segment_t_cost: float = 1.7
-    # ... its two chain warpgroups as one 8-warp partition over 128-row tiles (hopper_segments ONE): one loop body
-    # (2.2k SASS instructions in the sm_90 build against 4.0k for two partitions, no spills against 12 B), where ncu
-    # found 11.5-11.9% of the chain loop's warp samples waiting on instruction fetch (bench/NOTES.md, thirty-ninth
-    # session). Pending GPU A/B: built by gdn.aot on Triton 3.6 and 3.9, not yet checked or timed on a GPU
-    state_sm90_segment_t_one_body: bool = False
     # ... which makes segments pay for one long sequence over many heads too (16/32 from 1x32768 on), where the
     # planner keeps it whole (plan.choose_segment_len prices the older segment pass): there the register-state
     # candidate is offered (state._fused_segments) and taken below this x the plain pass, whose cost includes the
@@ -181,6 +176,12 @@ class ChunkForward:
     # MB) against 263.5 plain and FlashInfer's 258 (not yet in a bench record)
     state_sm90_segment_t_gain: float = 1.06
     state_sm90_prepare_p_cost: float = 0.0028
+    # the one-CTA segment pass (state_sm90_segment_t) with its two chain warpgroups as one 8-warp partition over
+    # 128-row tiles (hopper_segments ONE): one loop body (2.2k SASS instructions in the sm_90 build against 4.0k for
+    # two partitions, no spills against 12 B), where ncu found 11.5-11.9% of the chain loop's warp samples waiting on
+    # instruction fetch (bench/NOTES.md, thirty-ninth session). Pending GPU A/B: built by gdn.aot on Triton 3.6 and
+    # 3.9, not yet checked or timed on a GPU
+    state_sm90_segment_t_one_body: bool = False
     # sm_90 inference forward, unsegmented, whose grid fits one wave at V tile 64 but not 32 (33 - 66 sequences x
     # value heads): the register-state kernel (V tile 128, half the CTAs, P formed in it) where value heads per key
     # head >= this (0 = never). H200 kernel sums, V tile 64 / 128 alternating twice

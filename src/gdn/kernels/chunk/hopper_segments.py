@@ -73,15 +73,15 @@ if G.AVAILABLE:
     @gluon.jit
     def _seg_t_steps(k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end, half,
                      s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-                     K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, ONE: gl.constexpr = False,
-                     W: gl.constexpr = 4, HB: gl.constexpr = 64):
+                     K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, ONE: gl.constexpr = False):
         """One warpgroup's 64 rows (``half``) of S^T and of M^T over the segment's chunks (module docstring); the
         stage's tiles and gate rows come from ``_t_loader`` (rows 0 e^g r_k, 1 beta, 2 e^(g_last - g) r_k, 4
         e^(g_last)); the stage is released on ``emp``. Then S^T -> hloc[i_s] (strides s1*), M^T -> trans[i_s] (s0*),
         each as the [K, *] state its transpose is. ONE: all 128 rows in this 8-warp partition (``half`` 0), each
-        warpgroup's products on its 64 rows of the same tiles: one loop body for both warpgroups (W = 8 warps, HB =
-        128 rows; else 4 and 64)."""
+        warpgroup's products on its 64 rows of the same tiles: one loop body for both warpgroups."""
         C: gl.constexpr = 64
+        W: gl.constexpr = 8 if ONE else 4            # the partition's warps
+        HB: gl.constexpr = 128 if ONE else 64        # its rows of S^T and M^T
         dt: gl.constexpr = k_s.dtype
         m64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, C, 16])
         mK: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[W, 1], instr_shape=[16, K, 16])
@@ -166,7 +166,7 @@ if G.AVAILABLE:
         if ONE:
             gl.warp_specialize([
                 (_seg_t_steps, (k_s, v_s, a_s, bars, emp, kz, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end,
-                                0, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS, True, 8, 128)),
+                                0, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS, True)),
                 (HP._t_loader, (k_desc, v_desc, a_desc, k_desc, a_desc, k_s, v_s, a_s, k_s, a_s, bars, emp, gt_s,
                                 beta, gcum, rk_in, gcum, 0, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
                                 H, HV, K, V, V, USE_L2, NS, AP, False, 1.0, True)),
