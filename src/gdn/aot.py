@@ -428,8 +428,7 @@ def compile_hopper_segment_t_pass(dtype=None, **flags):
                 a_desc=m._desc(a.reshape(B * T, -1), (64, 64), dn), beta=torch.empty(4, dtype=dt), gcum=f32,
                 rk_in=f32, hloc=f32, trans=f32, segments=i32, cu_seqlens=i32, T=T, s_bb=3, s_bt=3, s_bh=1,
                 s0n=3, s0h=3, s0k=3, s0v=1, s1n=3, s1h=3, s1k=3, s1v=1)
-    cx = dict(H=H, HV=HV, K=K, V=V, USE_L2=True, IS_VARLEN=True, NS=2, WREGS=ms.SEG_CHAIN_REGS,
-              LREGS=ms.SEG_LOADER_REGS, num_warps=4)
+    cx = dict(H=H, HV=HV, K=K, V=V, USE_L2=True, IS_VARLEN=True, NS=2, LREGS=ms.SEG_LOADER_REGS, num_warps=8)
     cx.update(flags)
     return compile_gluon(ms._segment_t_sm90_kernel, args, cx, num_warps=cx["num_warps"])
 
@@ -565,10 +564,6 @@ FUSED_CONFIGS = [dict(BV=bv, INIT=init, IS_VARLEN=vl, H0_BY_SEG=seg, H0_INDEXED=
 # the one-CTA-per-(value head, segment) segment pass (chunk_fwd.state_sm90_segment_t): varlen / batched, with and
 # without the L2 norm, Ainv in its own buffer or packed into o's rows (head pitch 128), with PDL
 SEGMENT_T_CONFIGS = [dict(PDL=True), dict(PDL=True, AP=128), dict(IS_VARLEN=False, USE_L2=False), dict(NS=3)]
-# ... its two chain warpgroups as one 8-warp partition (one loop body; chunk_fwd.state_sm90_segment_t_one_body,
-# pending a GPU A/B)
-SEGMENT_T_CONFIGS += [dict(PDL=True, ONE=True, num_warps=8), dict(PDL=True, AP=128, ONE=True, num_warps=8),
-                      dict(IS_VARLEN=False, USE_L2=False, ONE=True, num_warps=8)]
 
 FUSED_T_CONFIGS = [dict(), dict(INIT=0, IS_VARLEN=False, H0_INDEXED=False, HT_INDEXED=False, O_INDEXED=False,
                         USE_L2=False), dict(H0_BY_SEG=True, H0_INDEXED=False, STORE_FINAL=False)]
@@ -873,7 +868,7 @@ def _compile_hopper() -> int:
             return [m.OUTPUT_PARTITION_REGS] + ([m.T_LOADER_REGS] if cfg.get("TMA_WARP", _load_warp(cfg["BV"])) else [])
         if build is compile_hopper_segment_t_pass:
             from .kernels.chunk import hopper_segments as ms
-            return [ms.SEG_LOADER_REGS] if cfg.get("ONE") else [ms.SEG_CHAIN_REGS, ms.SEG_LOADER_REGS]
+            return [ms.SEG_LOADER_REGS]
         if build is compile_hopper_fused_t_pass:
             return ([m.T_PA_CHAIN_REGS, m.T_PA_AUX_REGS, m.T_PA_LOADER_REGS] if cfg.get("PA")
                     else [m.T_CHAIN_REGS, m.T_LOADER_REGS])

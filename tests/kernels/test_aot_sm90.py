@@ -67,7 +67,7 @@ def test_register_split_of_warp_specialized_kernels():
             "print(repr(A.register_pool_problem(c, w)), A.default_partition_regs(c, w))\n"
             "print(A.register_pool_problem(c, [m.T_CHAIN_REGS, 40]))\n"
             "from gdn.kernels.chunk import hopper_segments as ms\n"
-            "c = A.compile_hopper_segment_t_pass(ONE=True, num_warps=8)\n"
+            "c = A.compile_hopper_segment_t_pass()\n"
             "w = [ms.SEG_LOADER_REGS]\n"
             "print(repr(A.register_pool_problem(c, w)), A.default_partition_regs(c, w))\n")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)

@@ -1177,9 +1177,8 @@ def test_segment_pass_dispatch_sm90(monkeypatch, gluon):
 def test_segment_pass_one_cta_per_segment_dispatch_sm90(monkeypatch, segment_t):
     """chunk_state_pass's segment pass at K = V = 128 in ainv mode where the sm_90 passes are supported (emulated,
     launches recorded): with ``chunk_fwd.state_sm90_segment_t`` the one-CTA-per-(value head, segment) launch
-    (hopper_segments) takes it, once per call, with trans [S, HV, K, K] / hloc [S, HV, K, V], the segment table and
-    ``state_sm90_segment_t_one_body`` as its ``one_body``, and the Gluon state pass's INIT 3 launch does not run;
-    without the field that launch runs instead."""
+    (hopper_segments) takes it, once per call, with trans [S, HV, K, K] / hloc [S, HV, K, V] and the segment table,
+    and the Gluon state pass's INIT 3 launch does not run; without the field that launch runs instead."""
     from gdn.kernels import tuning
     from gdn.kernels.chunk import prepare, state
 
@@ -1192,18 +1191,17 @@ def test_segment_pass_one_cta_per_segment_dispatch_sm90(monkeypatch, segment_t):
     x = make_inputs(B, T, H, HV, K, K, dtype=torch.bfloat16)
     g_cum, ainv, _, _ = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, None, 64, True, store_wu=False,
                                                   ainv_dtype=torch.bfloat16)
-    for one in (False, True):
-        with tuning.override("chunk_fwd", state_sm90_segment_t=segment_t, state_sm90_segment_t_one_body=one):
-            state.chunk_state_pass(x.k, None, None, g_cum, None, True, None, 64, True, v=x.v, beta=x.beta,
-                                   ainv=ainv, segment_chunks=2)
+    with tuning.override("chunk_fwd", state_sm90_segment_t=segment_t):
+        state.chunk_state_pass(x.k, None, None, g_cum, None, True, None, 64, True, v=x.v, beta=x.beta,
+                               ainv=ainv, segment_chunks=2)
     if segment_t:
-        (a, kw), (_, kw_one) = seg_calls
-        assert init3 == [] and kw["one_body"] is False and kw_one["one_body"] is True
+        ((a, kw),) = seg_calls
+        assert init3 == []
         trans, hloc, segments, S = a[6], a[7], a[8], a[11]
         assert S == 3 and trans.shape == (3, HV, K, K) and hloc.shape == (3, HV, K, K)    # 6 chunks / 2
         assert segments.shape[0] == 3 and kw["K"] == kw["V"] == K and kw["HV"] == HV
     else:
-        assert seg_calls == [] and len(init3) == 2
+        assert seg_calls == [] and len(init3) == 1
 
 
 @pytest.mark.parametrize("fused_states", [True, False])

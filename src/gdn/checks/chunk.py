@@ -314,8 +314,7 @@ def chunk_sm90_segment_pass(device):
     state pass against the portable one, on one ragged long sequence with an initial state, forced segments of 4 and
     16 chunks, v_new from Ainv (the fused forward's) and from stored W / U (``chunk_fwd.state_mode`` "wu"): o and the
     final state, and that the Gluon launch ran (its one-CTA-per-(value head, segment) form, the default in ainv mode,
-    off). Then that form against it (that sequence and a ragged varlen batch, under three final passes), also with its
-    chains as one 8-warp partition (``chunk_fwd.state_sm90_segment_t_one_body``)."""
+    off). Then that form against it (that sequence and a ragged varlen batch, under three final passes)."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
         return []
     from ..kernels.chunk import chunk_gated_delta_rule_fwd
@@ -348,18 +347,15 @@ def chunk_sm90_segment_pass(device):
     for label, y, hh, cuv in (("1 sequence", x, h0, None), ("varlen", xv, h0v, cu)):
         for seg, bv in ((4, 128), (16, 64), (8, 0)):
             res = []
-            for new, one in ((False, False), (True, False), (True, True)):
-                tune = dict(segment_chunks=seg, state_sm90_segment_t=new, state_sm90_segment_t_one_body=one,
-                            **({"state_sm90_BV": bv} if bv else {}))
+            for new in (False, True):
+                tune = dict(segment_chunks=seg, state_sm90_segment_t=new, **({"state_sm90_BV": bv} if bv else {}))
                 with override("chunk_fwd", **tune), \
                         _counting_sm90_launches("gdn.kernels.chunk.hopper_segments", "launch_segment_pass_t") as calls:
                     o, ht, _ = chunk_gated_delta_rule_fwd(y.q, y.k, y.v, y.g, y.beta, K ** -0.5, hh, True, cuv,
                                                           use_qk_l2norm_in_kernel=True, return_states=False)
                 res.append((o, ht, calls[0]))
-            for form, r in (("", res[1]), (" (one 8-warp chain partition)", res[2])):
-                out += _one_launch_rows(f"sm90 segment pass, one CTA per (head, segment){form}, {label} seg={seg} "
-                                        f"final V tile {bv or 'planned'}", [res[0], r], "launch",
-                                        "the Gluon state pass")
+            out += _one_launch_rows(f"sm90 segment pass, one CTA per (head, segment), {label} seg={seg} "
+                                    f"final V tile {bv or 'planned'}", res, "launch", "the Gluon state pass")
     return out
 
 

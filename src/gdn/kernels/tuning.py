@@ -176,14 +176,6 @@ class ChunkForward:
     # MB) against 263.5 plain and FlashInfer's 258 (not yet in a bench record)
     state_sm90_segment_t_gain: float = 1.06
     state_sm90_prepare_p_cost: float = 0.0028
-    # the one-CTA segment pass (state_sm90_segment_t) with its two chain warpgroups as one 8-warp partition over
-    # 128-row tiles (hopper_segments ONE): one loop body (2.2k SASS instructions in the sm_90 build against 4.0k for
-    # two partitions, no spills against 12 B), where ncu found 11.5-11.9% of the chain loop's warp samples waiting on
-    # instruction fetch (bench/NOTES.md, thirty-ninth session). H200 `gdn profile --forward --varlen`
-    # (bench/results/fwd_segment_one_body_ab_h200.json), segment pass two partitions -> one: 1x32768 16/32 351.7 ->
-    # 343.4 us, 1x65536 16/32 686.5 -> 672.0, 1x16384 178.9 -> 177.0, 2/8 180.1 -> 178.1, TP4 30.3 -> 29.7, TP2 50.7
-    # / 50.8; device time 1x32768 16/32 888.2 (off, a second run) against 880.2 / 879.6; gdn check segment_pass 48/48
-    state_sm90_segment_t_one_body: bool = True
     # sm_90 inference forward, unsegmented, whose grid fits one wave at V tile 64 but not 32 (33 - 66 sequences x
     # value heads): the register-state kernel (V tile 128, half the CTAs, P formed in it) where value heads per key
     # head >= this (0 = never). H200 kernel sums, V tile 64 / 128 alternating twice

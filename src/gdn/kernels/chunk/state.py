@@ -602,8 +602,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         # Hopper, K = V = 128: both in one CTA per (value head, segment), transposed in registers (hopper_segments)
         hopper_segments.launch_segment_pass_t(
             k, xs, bb, mats, g_cum, rk_arg, trans, hloc, plan.segments, cu, T, S, sb, st, vl, H=H, HV=HV, K=K, V=V,
-            use_l2=l2, is_varlen=ci.is_varlen, stages=cfg.state_sm90_stages, pdl=cfg.pdl,
-            one_body=cfg.state_sm90_segment_t_one_body)
+            use_l2=l2, is_varlen=ci.is_varlen, stages=cfg.state_sm90_stages, pdl=cfg.pdl)
     elif _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h):
         # Hopper: as the Gluon state pass (INIT 3)
         bvs = int(cfg.state_sm90_segment_BV)
