@@ -1,8 +1,9 @@
 """Hopper (sm_90) segment pass of the segmented forward with both segment results in one CTA and in registers:
 one CTA per (value head, segment) carries the segment's local state S (from zero, with the true v) and its transition
 M (from the identity, v = 0) side by side, both transposed ([V, K] and [K, K], K = V = 128), in one 8-warp partition
-(each warpgroup's products on its 64 rows of the same tiles: one loop body for both), fed by the register-state kernel's one-warp load partition (``hopper._t_loader``, MN mode: k, v, Ainv and
-the gate rows). Per chunk, for X^T in {S^T (v the chunk's values), M^T (v = 0)}::
+(each warpgroup's products on its 64 rows of the same tiles: one loop body for both), fed by the register-state
+kernel's one-warp load partition (``hopper._t_loader``, MN mode: k, v, Ainv and the gate rows). Per chunk, for X^T
+in {S^T (v the chunk's values), M^T (v = 0)}::
 
     r^T = (v^T - (X^T k^T) diag(e^g r_k)) diag(beta)      X^T k^T: register A operand, k from the ring
     d^T = r^T Ainv^T diag(e^(g_last - g) r_k)
