@@ -14,14 +14,17 @@ Two kinds of rows, every SM busy (grid = SMs x CTAs per SM):
   advanced by one chunk per microsecond per SM, to set against a kernel's own (256 rows per chunk step for the
   segment pass's S^T and M^T).
 
-Timed with CUDA events (best of five); the clock is whatever the GPU runs these at (short, light kernels: near its
-maximum), so compare rows with each other and a kernel with them only at equal clocks.
+Timed by ``gdn.benchmark.timing.CudaTimer`` (median per launch; ``results/wgmma_rates_h200.json`` was taken by the
+script's first form, the best of five CUDA-event timings after a warm-up launch); the clock is whatever the GPU runs
+these at (short, light kernels: near its maximum), so compare rows with each other and a kernel with them only at
+equal clocks.
 """
 import json
 import sys
 
 import torch
 
+from gdn.benchmark.timing import CudaTimer
 from gdn.kernels import _gluon_api as G
 
 gluon, gl = G.gluon, G.gl
@@ -96,27 +99,17 @@ def _step(out, ITERS: gl.constexpr, num_warps: gl.constexpr):
     gl.store(out + gl.program_id(0), gl.sum(gl.sum(st, axis=1), axis=0))
 
 
-def timeit(fn, reps=5):
-    """Best of ``reps`` CUDA-event timings of ``fn()`` after one warm-up call, in microseconds."""
-    fn(); torch.cuda.synchronize()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    best = 1e9
-    for _ in range(reps):
-        s.record(); fn(); e.record(); torch.cuda.synchronize()
-        best = min(best, s.elapsed_time(e) * 1e3)
-    return best
-
-
 def main():
     """Both kinds of rows, printed and written as JSON to argv[1]."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     out = torch.empty(sms * 8, device="cuda")
+    timer = CudaTimer("cuda", target_s=0.1)
     rows = []
     IT = 4000
     for N in (64, 128, 256):
         for nw, per_sm in ((4, 1), (4, 2), (8, 1), (4, 3), (4, 4)):
             g = sms * per_sm
-            us = timeit(lambda: _tput[(g,)](out, IT, N, num_warps=nw))
+            us = timer.time(lambda i: _tput[(g,)](out, IT, N, num_warps=nw)).median_ms * 1e3
             flop = g * IT * 4 * 2 * (16 * nw) * N * 64
             rows.append(dict(kind="tput", N=N, warps=nw, per_sm=per_sm, us=us, tflops=flop / us / 1e6,
                              ns_per_wgmma_per_cta=us * 1e3 / (IT * 4)))
@@ -124,15 +117,13 @@ def main():
     IT = 2000
     for nw, per_sm in ((4, 1), (8, 1), (4, 2), (4, 3), (8, 2), (4, 4)):
         g = sms * per_sm
-        try:
-            us = timeit(lambda: _step[(g,)](out, IT, num_warps=nw))
-        except Exception as ex:
-            print("step", nw, per_sm, "failed", ex); continue
+        us = timer.time(lambda i: _step[(g,)](out, IT, num_warps=nw)).median_ms * 1e3
         flop = g * IT * 2 * (16 * nw) * (128 * 64 + 64 * 64 + 64 * 128)
         rows.append(dict(kind="step", warps=nw, per_sm=per_sm, us=us, tflops=flop / us / 1e6,
                          ns_per_step=us * 1e3 / IT, rows_steps_per_us_per_sm=per_sm * 16 * nw * IT / us))
         print(rows[-1], flush=True)
     json.dump(rows, open(sys.argv[1], "w"), indent=1)
+
 
 if __name__ == "__main__":
     main()
