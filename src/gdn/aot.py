@@ -591,6 +591,13 @@ FUSED_T_CONFIGS += [dict(PA=True, PDL=True, AP=128), dict(PA=True, PDL=True, AP=
 # the varlen prepare reading its chunks' spans from the chunk table (chunk_fwd.prepare_sm90_chunk_spans: the default)
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, SPANS=True), dict(maxnreg=128, PDL=True, STORE_P=False, SPANS=True)]
 PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, STORE_P=False, STORE_RQ=True, AP=128)]
+# beta folded into the packed Ainv (chunk_fwd.state_sm90_beta_in_ainv): the prepare storing Ainv diag(beta) (with and
+# without P), its overflow redo, and the two kernels reading it (the register-state kernel with its P partition or
+# P read, the one-CTA segment pass)
+PREPARE_CONFIGS += [dict(maxnreg=128, PDL=True, STORE_P=False, STORE_RQ=True, AP=128, SPANS=True, A_BETA=True),
+                    dict(maxnreg=128, PDL=True, STORE_RQ=False, AP=128, A_BETA=True)]
+FUSED_T_CONFIGS += [dict(PA=True, PDL=True, AP=128, A_BETA=True), dict(PDL=True, AP=128, A_BETA=True)]
+SEGMENT_T_CONFIGS += [dict(PDL=True, AP=128, A_BETA=True)]
 # an inference forward of the fused kernel forming P itself (V tile 64 by default, 32 by tuning): g_cum, r_k and
 # the flags packed into o's rows (chunk_fwd.state_sm90_row_scalars_in_o; V = 128: VP 64, a copy per V tile), the
 # prepare without P, with and without the L2 norm
@@ -637,7 +644,8 @@ PDL_PORTABLE_BUILDS = [("merge", compile_merge, dict(PDL=True)),
                        ("merge, 3 stages (the sm_90 row)", compile_merge, dict(PDL=True, STAGES=3)),
                        ("overflow redo", compile_redo, dict(PDL=True)),
                        ("overflow redo, Ainv packed in o", compile_redo, dict(PDL=True, AP=128)),
-                       ("overflow redo, g_cum and flags packed in o", compile_redo, dict(PDL=True, VP=64, VB=16))]
+                       ("overflow redo, g_cum and flags packed in o", compile_redo, dict(PDL=True, VP=64, VB=16)),
+                       ("overflow redo, Ainv diag(beta) packed in o", compile_redo, dict(PDL=True, AP=128, A_BETA=True))]
 
 
 def pdl_problem(compiled) -> str:

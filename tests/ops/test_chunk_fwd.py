@@ -1269,12 +1269,16 @@ def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, sto
     monkeypatch.setattr(prepare.hopper_prepare, "supported", lambda k, q, K, adt, prec: adt == k.dtype)
     monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: prep.append((a, kw)))
     monkeypatch.setattr(prepare, "_launch", lambda kernel, grid, *a, **kw: redo.append(kw))
-    monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: fused.append(a))
+    monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: fused.append((a, kw)))
     with tuning.override("chunk_fwd", state_sm90_fused_t_packed=packed, prepare_sm90=True,
                          state_sm90_t_p_in_kernel=p_in):
         o, _, aux = forward.chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, 0.125, None, False, None, 64,
                                                        True, return_states=False, store_ainv=store_ainv)
-    ((pa, pkw),), (fa,), (rkw,) = prep, fused, redo
+    ((pa, pkw),), ((fa, fkw),), (rkw,) = prep, fused, redo
+    # beta folded into a packed Ainv (chunk_fwd.state_sm90_beta_in_ainv) where only the register-state kernel reads
+    # it: unsegmented (the Gluon segment pass at K = 64 is the INIT 3 state pass, which takes no such Ainv)
+    folded = packed and not store_ainv and seg is None
+    assert pkw["beta_in_ainv"] == fkw["beta_in_ainv"] == rkw.get("A_BETA", False) == folded
     ainv, p = pa[5], pa[7]                      # launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, ...)
     assert fa[5] is ainv and fa[6] is p and fa[10] is o     # launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, ..)
     if p_in:
@@ -1503,3 +1507,101 @@ def test_segment_pass_sm90_ok_follows_the_gluon_segment_pass(monkeypatch):
     assert not state.segment_pass_sm90_ok(x32.k, x32.v, torch.float32)
     x96 = make_inputs(1, 128, 2, 4, 96, 128, dtype=torch.bfloat16)
     assert not state.segment_pass_sm90_ok(x96.k, x96.v, torch.bfloat16)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_prepare_redo_beta_in_ainv(packed):
+    """redo_overflowed with ``beta_in_ainv`` (the sm_90 prepare's Ainv diag(beta) form, chunk_fwd.state_sm90_beta_in_ainv):
+    the flagged items' Ainv comes back with its columns scaled by their tokens' beta (float64 Ainv of the same inputs
+    times beta, within bf16 rounding), the unflagged ones keep their NaN poison. Ragged varlen (65, 63, 130 tokens),
+    GVA, the L2 norm, beta drawn over (0, 1); ``packed``: Ainv the first half of o-like rows (head pitch 128)."""
+    from gdn.kernels.chunk import prepare
+    from gdn.kernels.chunk.plan import get_chunk_index
+
+    cu = torch.tensor([0, C + 1, C + 1 + (C - 1), 2 * C + 2 * C + 2], dtype=torch.int32)
+    T = int(cu[-1])
+    H, HV, K = 1, 2, 32
+    x = make_inputs(1, T, H, HV, K, K, dtype=torch.bfloat16)
+    ci = get_chunk_index(cu, T, 1, 64, None, x.k.device)
+    g_cum = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False,
+                                      ainv_dtype=torch.bfloat16)[0]
+    ref = chunk_intra_ref(x.q, x.k, x.g, x.beta, K ** -0.5, cu, True)["ainv"]          # float64, no beta factor
+    items = [(int(cu[n]) + 64 * c, min(int(cu[n]) + 64 * c + 64, int(cu[n + 1])), hv)
+             for n, c in ci.chunk_indices.view(-1, 2).tolist() for hv in range(HV)]
+    flags = torch.zeros(len(items), 64, dtype=torch.int8)
+    redo = sorted(torch.randperm(len(items))[:len(items) // 2 + 1].tolist())
+    for i in redo:
+        flags[i, torch.randint(0, items[i][1] - items[i][0], ()).item()] = 1
+    rows128 = torch.full((1, T, HV, 128), float("nan"), dtype=torch.bfloat16)
+    a_out = rows128[..., :64] if packed else torch.full((1, T, HV, 64), float("nan"), dtype=torch.bfloat16)
+    prepare.redo_overflowed(flags, x.k, x.beta, g_cum, a_out, None, ci, cu, T, True, beta_in_ainv=True)
+    assert torch.isnan(rows128[..., 64:]).all()
+    for i, (a, b, hv) in enumerate(items):
+        got = a_out[0, a:b, hv, :b - a]
+        if i in redo:
+            want = ref[0, a:b, hv, :b - a] * x.beta[0, a:b, hv].double()[None, :]
+            assert rel_err(got.double(), want) < 1e-2, (i, rel_err(got.double(), want))
+            # (beta is not 1: the unscaled Ainv would fail)
+            assert rel_err(got.double(), ref[0, a:b, hv, :b - a]) > 0.05
+        else:
+            assert torch.isnan(a_out[0, a:b, hv]).all()
+
+
+def test_beta_in_ainv_argument_errors():
+    """``beta_in_ainv`` is refused where its Ainv diag(beta) would reach a kernel that does not take it: the portable
+    prepare (a CPU tensor here), a prepare that also stores W, the V tile 32 / 64 fused kernel; each a ValueError
+    naming the argument, raised before any launch."""
+    from gdn.kernels.chunk import hopper, hopper_prepare, prepare
+
+    x = make_inputs(1, 130, 2, 4, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="beta_in_ainv"):
+        prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, None, 64, True, store_wu=False, ainv_dtype=torch.bfloat16,
+                                  beta_in_ainv=True)
+    t = torch.empty(1)
+    with pytest.raises(ValueError, match="beta_in_ainv"):
+        hopper_prepare.launch_prepare(x.k, None, x.g, x.beta, t, t, None, None, None, t, None, 3, 130, 1.0,
+                                      (0, 0, 0), (0, 0, 0), H=2, HV=4, K=64, use_l2=True, is_varlen=False,
+                                      w=torch.empty(1, 130, 4, 64), beta_in_ainv=True)
+    with pytest.raises(ValueError, match="beta_in_ainv"):
+        hopper.launch_fused_pass((1, 4, 1), x.q, x.k, x.v, x.beta, t, None, None, t, None, t, None, None, t, t, None,
+                                 t, None, 130, 0, 0, 0, (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0), H=2, HV=4, K=64, V=64,
+                                 use_l2=True, is_varlen=False, INIT=0, H0_BY_SEG=False, H0_INDEXED=False,
+                                 HT_BY_SEG=False, HT_INDEXED=False, BV=32, beta_in_ainv=True)
+
+
+@pytest.mark.parametrize("seg_t, field, store_ainv", [(True, True, False), (False, True, False), (True, False, False),
+                                                      (True, True, True)])
+def test_segmented_forward_folds_beta_for_the_one_cta_segment_pass(monkeypatch, seg_t, field, store_ainv):
+    """A segmented register-state forward (K = V = 128, segments of 2 chunks; plan, support and launches emulated,
+    launches recorded): with ``chunk_fwd.state_sm90_beta_in_ainv`` and the one-CTA segment pass (``state._segment_t``)
+    the prepare, its overflow redo, the segment pass and the final pass are all told that Ainv is Ainv diag(beta);
+    with the INIT 3 Gluon segment pass instead, the field off, or a call that keeps Ainv, none is."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import forward, prepare, state
+
+    B, T, H, HV, K, V = 1, 260, 2, 4, 128, 128
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
+    prep, redo, fused, seg_pass = [], [], [], []
+
+    def plan(q, k, v, ci, s, ckpt, states=False):
+        return 128, state._pass_plan(ci, HV, K, V, q.device, False, 2)[0]
+
+    monkeypatch.setattr(forward, "fused_output_plan", plan)
+    monkeypatch.setattr(forward, "segment_pass_sm90_ok", lambda k, v, dt: True)
+    monkeypatch.setattr(state, "_segment_sm90", lambda *a: True)
+    monkeypatch.setattr(state, "_segment_t", lambda *a: seg_t)
+    monkeypatch.setattr(state, "merge_segment_states", lambda *a, **kw: torch.zeros(1))
+    monkeypatch.setattr(state.hopper, "launch_state_pass", lambda *a, **kw: seg_pass.append(("init3", kw)))
+    monkeypatch.setattr(state.hopper_segments, "launch_segment_pass_t", lambda *a, **kw: seg_pass.append(("t", kw)))
+    monkeypatch.setattr(prepare.hopper_prepare, "supported", lambda k, q, K, adt, prec: adt == k.dtype)
+    monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: prep.append(kw))
+    monkeypatch.setattr(prepare, "_launch", lambda kernel, grid, *a, **kw: redo.append(kw))
+    monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: fused.append(kw))
+    with tuning.override("chunk_fwd", prepare_sm90=True, state_sm90_beta_in_ainv=field):
+        forward.chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, 0.125, None, False, None, 64, True,
+                                           return_states=False, store_ainv=store_ainv)
+    (pkw,), (fkw,), (rkw,), ((kind, skw),) = prep, fused, redo, seg_pass
+    folded = seg_t and field and not store_ainv
+    assert kind == ("t" if seg_t else "init3")
+    assert pkw["beta_in_ainv"] == fkw["beta_in_ainv"] == rkw.get("A_BETA", False) == folded
+    assert skw.get("beta_in_ainv", False) == folded

@@ -104,6 +104,12 @@ class ChunkForward:
     # the tensor-core dtype, an inference call): the kernel has a chunk's tiles in shared memory before it stores the
     # chunk's o over them, so the call's peak holds no Ainv / P beside o (forward.py)
     state_sm90_fused_t_packed: bool = True
+    # ... with beta folded into that Ainv by the prepare (Ainv diag(beta), its columns scaled; also by the overflow
+    # redo), so that the register-state kernel's chain and the one-CTA segment pass's two chains take no beta factor
+    # (r^T = v^T - (k S)^T diag(e^g r_k)): one row scaling of three per chain and chunk. H200 forward, off / on
+    # alternating twice (bench/results/fwd_beta_in_ainv_ab_h200.json): 1x32768 16/32 875 / 877 -> 861 / 859 us,
+    # 1x65536 2/8 454 / 456 -> 447 / 446; unsegmented rows equal (4x4096 16/32 270 / 269 -> 268 / 269)
+    state_sm90_beta_in_ainv: bool = True
     # the V tile 32 / 64 fused kernel forming P itself (state_sm90_p_in_kernel_bv) in an inference call: the per-token
     # fp32 scalars (g_cum, r_k, the fp16 solve's overflow flags) written by the prepare into o's own rows, a copy per
     # V tile (hopper.row_scalar_pack), read by each tile's CTA before it stores those o rows: the call holds o and

@@ -27,7 +27,7 @@ from .output import chunk_output
 from .plan import prepare_chunk_indices
 from .prepare import chunk_fwd_prepare, sm90_prepare_taken
 from .hopper import row_scalar_pack
-from .state import chunk_state_pass, fused_output_plan, segment_pass_sm90_ok
+from .state import beta_in_ainv_ok, chunk_state_pass, fused_output_plan, segment_pass_sm90_ok
 from .backward import wants_forward_w
 
 
@@ -112,13 +112,15 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
                                    ainv_dtype=a_dtype):
         o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
         packed = (o[..., :CHUNK_SIZE], None if pk else o[..., CHUNK_SIZE:])
+    # ... with beta folded into that Ainv (Ainv diag(beta)) where every kernel reading it takes that form
+    beta_in_ainv = bool(packed and cfg.state_sm90_beta_in_ainv and beta_in_ainv_ok(k, v, dt, plan))
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
                              ainv_dtype=a_dtype, rk=rk, q=q if (bv_fused and not pk) else None, scale=scale,
                              keep_w=bool(keep_w and store_ainv and from_ainv and wants_forward_w(q, k, v, ci)),
                              ainv_out=packed[0] if packed else None, p_out=packed[1] if packed else None,
                              rq=rq if rq_t is None else rq_t, rq_of=q if rq_t is not None else None,
-                             row_scalars=scalars)
+                             row_scalars=scalars, beta_in_ainv=beta_in_ainv)
     g_cum, ainv, w, u = prep[:4]
     P = initial_state.shape[0] if (state_indices is not None and initial_state is not None) else 0
     fuse = None
@@ -128,7 +130,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
         fuse = dict(q=q, p=None if pk else prep[4], qf=rq_t if pa else None if pk else prep[5], o=o,
                     o_idx=state_indices, PO=P,
                     BV=bv_fused, plan=plan, states=return_states, scale=scale,
-                    row_scalars=scalars[1:3] if scalars else None)
+                    row_scalars=scalars[1:3] if scalars else None, beta_in_ainv=beta_in_ainv)
     h, v_new, ht = chunk_state_pass(k, w, u, g_cum, initial_state, output_final_state, cu_seqlens, chunk_size,
                                     use_qk_l2norm_in_kernel, v=v if from_ainv else None,
                                     beta=beta if from_ainv else None, ainv=ainv if from_ainv else None,

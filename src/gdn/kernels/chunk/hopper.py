@@ -726,11 +726,12 @@ if G.AVAILABLE:
         HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, BV: gl.constexpr, HB: gl.constexpr,
         INIT: gl.constexpr, H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr,
         STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr, HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr,
-        NS: gl.constexpr, PA: gl.constexpr = False,
+        NS: gl.constexpr, PA: gl.constexpr = False, A_BETA: gl.constexpr = False,
     ):
         """One warpgroup's 64 rows (V columns i_v BV + half HB ..) of the register-state chain; the tiles and gates
         of chunk c come from ring stage c % NS (filled by ``_t_loader``), released on ``emp`` when done. PA: the
-        stage's P tile is the P partition's (``_t_p_steps``), waited for on ``prdy`` before use."""
+        stage's P tile is the P partition's (``_t_p_steps``), waited for on ``prdy`` before use. A_BETA: the Ainv
+        tiles are Ainv diag(beta) (the prepare's A_BETA form), so r^T takes no beta factor here."""
         C: gl.constexpr = 64
         tok0 = i_b * T
         dt: gl.constexpr = k_s.dtype
@@ -784,7 +785,10 @@ if G.AVAILABLE:
             # the token vectors are read from the gate rows where used, not held: in this layout each costs 16
             # registers per thread; the load warp formed them (fewer chain instructions: bench/NOTES.md)
             fk = gt_s.index(gts).load(cols)
-            rt = (vt.to(gl.float32) - kst * fk[None, :]) * gt_s.index(gts + 1).load(cols)[None, :]
+            if A_BETA:
+                rt = vt.to(gl.float32) - kst * fk[None, :]
+            else:
+                rt = (vt.to(gl.float32) - kst * fk[None, :]) * gt_s.index(gts + 1).load(cols)[None, :]
             # past the sequence: r_k and beta are 0 there, the where keeps non-finite rows of a neighbour out
             if partial:
                 rt = gl.where(((bos + c * C + to) < eos)[None, :], rt, 0.0)
@@ -864,7 +868,7 @@ if G.AVAILABLE:
         H0_BY_SEG: gl.constexpr, H0_INDEXED: gl.constexpr, STORE_FINAL: gl.constexpr, HT_BY_SEG: gl.constexpr,
         HT_INDEXED: gl.constexpr, O_INDEXED: gl.constexpr, NS: gl.constexpr, WREGS: gl.constexpr,
         LREGS: gl.constexpr, num_warps: gl.constexpr, PDL: gl.constexpr = False, AP: gl.constexpr = 64,
-        PA: gl.constexpr = False, AREGS: gl.constexpr = 0, scale=1.0,
+        PA: gl.constexpr = False, AREGS: gl.constexpr = 0, scale=1.0, A_BETA: gl.constexpr = False,
     ):
         """The fused state + output pass with the state transposed and held in registers, over V tile BV = 128 as two
         warpgroup partitions (``_t_steps``, 64 rows of S^T [BV, K] each) fed by a one-warp load partition
@@ -882,7 +886,8 @@ if G.AVAILABLE:
         memory before either partition stores the chunk's o over them, and no other CTA reads those rows but as the
         masked tail of a partial chunk. PA: P formed in the kernel by a fourth partition (``_t_p_steps``, 4 warps at
         AREGS registers, from the stage's q and k tiles), qf by the load warp from q's L2 row scalings in ``qf``
-        (fp32 [B, T, H]) and ``scale``; ``p_desc`` unused, a stage released on three arrivals."""
+        (fp32 [B, T, H]) and ``scale``; ``p_desc`` unused, a stage released on three arrivals. A_BETA: Ainv's
+        tiles are Ainv diag(beta), r^T = v^T - (k S)^T diag(e^g r_k) (``_t_steps``)."""
         C: gl.constexpr = 64
         HB: gl.constexpr = BV // 2
         pdl_enter(PDL)
@@ -916,12 +921,12 @@ if G.AVAILABLE:
                             n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 0,
                             s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                             HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
-                            O_INDEXED, NS, True)),
+                            O_INDEXED, NS, True, A_BETA)),
                 (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, kz, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
                             n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 1,
                             s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                             HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
-                            O_INDEXED, NS, True)),
+                            O_INDEXED, NS, True, A_BETA)),
                 (_t_p_steps, (k_s, q_s, p_s, bars, emp, prdy, gt_s, bos, eos, c_beg, c_end, NS)),
                 (_t_loader, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
                              beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
@@ -933,12 +938,12 @@ if G.AVAILABLE:
                             n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 0,
                             s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                             HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
-                            O_INDEXED, NS)),
+                            O_INDEXED, NS, False, A_BETA)),
                 (_t_steps, (k_s, v_s, a_s, q_s, p_s, bars, emp, prdy, kz, gt_s, o, h0, ht, h0_idx, ht_idx, o_idx,
                             n, i_s, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, P0, P1, PO, 1,
                             s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
                             HV, K, V, BV, HB, INIT, H0_BY_SEG, H0_INDEXED, STORE_FINAL, HT_BY_SEG, HT_INDEXED,
-                            O_INDEXED, NS)),
+                            O_INDEXED, NS, False, A_BETA)),
                 (_t_loader, (k_desc, v_desc, a_desc, q_desc, p_desc, k_s, v_s, a_s, q_s, p_s, bars, emp, gt_s,
                              beta, gcum, rk_in, qf, i_v, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
                              H, HV, K, V, BV, USE_L2, NS, AP)),
@@ -1128,7 +1133,8 @@ def row_scalar_pack(o: torch.Tensor, BV: int):
 def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0_idx, ht_idx, o_idx, segments,
                       cu_seqlens, T, P0, P1, PO, s_beta, s0, s1, *, H, HV, K, V, use_l2, is_varlen, INIT, H0_BY_SEG,
                       H0_INDEXED, HT_BY_SEG, HT_INDEXED, BV, stages=2, h_out=None, vnew=None, chunk_offsets=None,
-                      transposed=False, load_warp=False, scale=1.0, pdl=False, row_scalars=None):
+                      transposed=False, load_warp=False, scale=1.0, pdl=False, row_scalars=None,
+                      beta_in_ainv=False):
     """Launch the fused state + output kernel over ``grid`` = (V // BV, HV, segments): writes o [B, T, HV, V]
     (contiguous) from P [B, T, HV, 64] and qf [B, T, HV] (the prepare kernel's STORE_P outputs; both None at V
     tile 32 / 64: the kernel forms them from q, k, g_cum, rk and ``scale``) and the final state;
@@ -1141,7 +1147,10 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
     the first half of o's rows). ``load_warp``: the V tile 32 / 64 kernel's ring
     filled by a load warp (``_tma_loader``) instead of its chain partition. ``pdl`` as :func:`launch_state_pass`'s.
     ``row_scalars``: (VP, VB) of :func:`row_scalar_pack` where g_cum and rk are o's fp32 view holding them (the V
-    tile 32 / 64 kernel forming P itself, no h / v_new)."""
+    tile 32 / 64 kernel forming P itself, no h / v_new). ``beta_in_ainv`` (the register-state kernel only): ``ainv``
+    holds Ainv diag(beta) (``chunk_fwd_prepare``'s form of that name)."""
+    if beta_in_ainv and not transposed:
+        raise ValueError("launch_fused_pass: beta_in_ainv is for the register-state kernel (transposed)")
     dn = _GL_DT[k.dtype]
     k_desc = _desc(_rows2d(k), (CHUNK, K), dn)
     q_desc = _desc(_rows2d(q), (CHUNK, K), dn)
@@ -1172,7 +1181,7 @@ def launch_fused_pass(grid, q, k, v, beta, ainv, p, qf, g_cum, rk, o, h0, ht, h0
             O_INDEXED=o_idx is not None, NS=2, num_warps=4, **({"AP": ap} if ap != CHUNK else {}),
             **(dict(PA=True, scale=float(scale), WREGS=T_PA_CHAIN_REGS, AREGS=T_PA_AUX_REGS, LREGS=T_PA_LOADER_REGS)
                if p is None else dict(WREGS=T_CHAIN_REGS, LREGS=T_LOADER_REGS)),
-            **pdl_args(pdl, k.device))
+            **({"A_BETA": True} if beta_in_ainv else {}), **pdl_args(pdl, k.device))
         return
     if row_scalars is not None and (transposed or p is not None or h_out is not None or vnew is not None):
         raise ValueError("launch_fused_pass: row scalars packed into o need the V tile 32 / 64 kernel forming P "

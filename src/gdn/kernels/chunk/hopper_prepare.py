@@ -264,6 +264,7 @@ if G.AVAILABLE:
         STORE_RK: gl.constexpr, STORE_P: gl.constexpr, STORE_RQ: gl.constexpr, STORE_W: gl.constexpr,
         num_warps: gl.constexpr, SOLVE_F16: gl.constexpr = False, PDL: gl.constexpr = False, AP: gl.constexpr = 64,
         VP: gl.constexpr = 0, VB: gl.constexpr = 0, NCOPY: gl.constexpr = 1, SPANS: gl.constexpr = False,
+        A_BETA: gl.constexpr = False,
     ):
         """One (chunk, value head) (module docstring); program id = chunk * HV + value head (a key head's value
         heads side by side: their k / q tiles come from memory once). Outputs as the portable kernel's: g_cum, qf
@@ -278,7 +279,9 @@ if G.AVAILABLE:
         pointer, o's fp32 view, and go into its rows (``hopper.row_scalar_pack``): g_cum and r_k (per value head)
         into every V tile's block, the flags (fp32 0 / 1) into the first tile's. SPANS (varlen): ``cu_seqlens`` is
         the chunk table's span table (``plan.ChunkIndex.chunk_spans``: (bos, eos) per chunk), read beside
-        ``chunk_indices`` instead of after it."""
+        ``chunk_indices`` instead of after it. A_BETA (not with STORE_W): the stored tile is Ainv diag(beta) (its
+        columns scaled by the chunk's beta, 0 past the sequence), the register-state kernel's and the segment pass's
+        form (``hopper._t_steps``, ``hopper_segments._seg_step``: one row scaling fewer in their chains)."""
         C: gl.constexpr = 64
         pdl_enter(PDL)
         pid = gl.program_id(0)
@@ -392,6 +395,10 @@ if G.AVAILABLE:
             # W's column factors beta e^c r_k (0 past the sequence) through shared memory: not live in the solve
             fw_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
             fw_s.store(gl.where(m_r, b_r * gl.exp(c_r) * rk_r, 0.0))
+        if A_BETA:
+            # beta along Ainv's columns, through shared memory (not live in the solve: held, it spills at 128)
+            fb_s = gl.allocate_shared_memory(gl.float32, [C], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+            fb_s.store(b_r)
         if STORE_P:
             qk, _, _ = warpgroup_mma_wait(0, deps=[qk, q_s, k_s])
             # (a where, not Gamma's zeros: a partial chunk's columns past the end are the next sequence's keys)
@@ -442,6 +449,8 @@ if G.AVAILABLE:
                 gl.store(flags + pid * C + tr, fl)
             else:
                 gl.store(_row_scalar(flags, tok0, t0, tr64, nv, i_hv, i_hv, 0, HV, HV, VP, VB, 2), fl, mask=m_r)
+        if A_BETA:
+            ai = ai * fb_s.load(cl)[None, :]
         ai = ai.to(dt)
         # Ainv's staging tile in the fp16 products' bytes (dead after the solve) where they exist
         a_lay: gl.constexpr = a_desc.layout
@@ -489,7 +498,7 @@ def supported(k: torch.Tensor, q, K: int, ainv_dtype: torch.dtype, solve_precisi
 
 def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seqlens, NT, T, scale, s_g, s_beta, *,
                    H, HV, K, use_l2, is_varlen, maxnreg=None, rq=None, w=None, solve_f16=False, flags=None, pdl=False,
-                   rq_of=None, row_scalars=None, chunk_spans=None):
+                   rq_of=None, row_scalars=None, chunk_spans=None, beta_in_ainv=False):
     """Launch the sm_90 prepare over NT chunks x HV value heads (``supported`` must have said yes). ``q`` None: no
     P / qf; ``rk`` / ``rq`` None: r_k / r_q not stored (``rq`` is written only with the L2 norm, from ``q``, or
     without P from ``rq_of``, the q whose tiles are then loaded for it alone; the caller passes it only then);
@@ -499,7 +508,11 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
     Ainv and P [B, T, HV, 64]: contiguous, or views at one head pitch (``hopper.pitched_rows_ok``: the two halves of
     o's rows, which the register-state kernel reads them from). ``row_scalars``: (VP, VB, NCOPY) where g_cum, rk
     and flags are all o's fp32 view (``hopper.row_scalar_pack``), the kernel packing them into o's rows.
-    ``chunk_spans`` (varlen): ``plan.ChunkIndex.chunk_spans``, read instead of ``cu_seqlens`` (SPANS)."""
+    ``chunk_spans`` (varlen): ``plan.ChunkIndex.chunk_spans``, read instead of ``cu_seqlens`` (SPANS).
+    ``beta_in_ainv`` (no W): Ainv is stored as Ainv diag(beta) (A_BETA)."""
+    if beta_in_ainv and w is not None:
+        raise ValueError("launch_prepare: beta_in_ainv stores Ainv diag(beta), which W = Ainv diag(beta e^c r_k) k "
+                         "does not take: not with w")
     if row_scalars is not None and (any(x is not None and x is not g_cum for x in (rk, flags))
                                     or q is not None or rq is not None or w is not None):
         raise ValueError("launch_prepare: row scalars packed into o: g_cum, rk and flags are o's fp32 view; no P, no "
@@ -527,7 +540,8 @@ def launch_prepare(k, q, g, beta, g_cum, ainv, rk, p, qf, chunk_indices, cu_seql
         STORE_P=q is not None, STORE_RQ=rq is not None, STORE_W=w is not None, num_warps=4, SOLVE_F16=bool(solve_f16),
         **({"AP": ap} if ap != CHUNK else {}), **({"maxnreg": maxnreg} if maxnreg else {}),
         **(dict(zip(("VP", "VB", "NCOPY"), row_scalars)) if row_scalars is not None else {}),
-        **({"SPANS": True} if spans else {}), **pdl_args(pdl, k.device))
+        **({"SPANS": True} if spans else {}), **({"A_BETA": True} if beta_in_ainv else {}),
+        **pdl_args(pdl, k.device))
 
 
 __all__ = ["supported", "launch_prepare"]

@@ -41,11 +41,13 @@ if G.AVAILABLE:
     fence_async_shared, warpgroup_mma, warpgroup_mma_wait = G.fence_async_shared, G.warpgroup_mma, G.warpgroup_mma_wait
 
     @gluon.jit
-    def _seg_step(za, zt, kt, at, k_t, v_t, gt_s, gts, e_last, valid, partial, zero, WITH_V: gl.constexpr):
+    def _seg_step(za, zt, kt, at, k_t, v_t, gt_s, gts, e_last, valid, partial, zero, WITH_V: gl.constexpr,
+                  A_BETA: gl.constexpr):
         """One chunk of one matrix Z^T (S^T with the chunk's values ``v_t``, WITH_V; M^T with v = 0), rows of this
         warpgroup, ``za`` its register A operand: r^T = (v^T - Z^T k^T diag(e^g r_k)) diag(beta), d^T = r^T Ainv^T
         diag(e^(g_last - g) r_k), Z^T <- e^(g_last) Z^T + d^T k; ``kt`` / ``at`` are k^T and Ainv^T of the ring stage,
-        ``k_t`` its k tile, ``gts`` its first gate row (``_seg_t_steps``)."""
+        ``k_t`` its k tile, ``gts`` its first gate row (``_seg_t_steps``). A_BETA: ``at`` is (Ainv diag(beta))^T,
+        r^T takes no beta factor."""
         m64: gl.constexpr = zero.type.layout
         cols: gl.constexpr = gl.SliceLayout(0, m64)
         opA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=m64, k_width=2)
@@ -56,7 +58,10 @@ if G.AVAILABLE:
         kz, za = warpgroup_mma_wait(0, deps=[kz, za])
         if WITH_V:
             r = vt.to(gl.float32) - kz * gt_s.index(gts).load(cols)[None, :]
-            r = r * gt_s.index(gts + 1).load(cols)[None, :]
+            if not A_BETA:
+                r = r * gt_s.index(gts + 1).load(cols)[None, :]
+        elif A_BETA:
+            r = -(kz * gt_s.index(gts).load(cols)[None, :])
         else:
             r = -(kz * gt_s.index(gts).load(cols)[None, :]) * gt_s.index(gts + 1).load(cols)[None, :]
         if partial:
@@ -74,11 +79,12 @@ if G.AVAILABLE:
     @gluon.jit
     def _seg_t_steps(k_s, v_s, a_s, bars, emp, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end,
                      s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
-                     K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr):
+                     K: gl.constexpr, V: gl.constexpr, NS: gl.constexpr, A_BETA: gl.constexpr = False):
         """All 128 rows of S^T and of M^T over the segment's chunks (module docstring) in this 8-warp partition,
         each warpgroup's products on its 64 rows of the same tiles; the stage's tiles and gate rows come from
         ``_t_loader`` (rows 0 e^g r_k, 1 beta, 2 e^(g_last - g) r_k, 4 e^(g_last)); the stage is released on ``emp``.
-        Then S^T -> hloc[i_s] (strides s1*), M^T -> trans[i_s] (s0*), each as the [K, *] state its transpose is."""
+        Then S^T -> hloc[i_s] (strides s1*), M^T -> trans[i_s] (s0*), each as the [K, *] state its transpose is.
+        A_BETA: the Ainv tiles are Ainv diag(beta) (``_seg_step``)."""
         C: gl.constexpr = 64
         W: gl.constexpr = 8                          # the partition's warps
         HB: gl.constexpr = 128                       # its rows of S^T and M^T
@@ -114,9 +120,9 @@ if G.AVAILABLE:
             e_last = gl.sum(gt_s.index(gts + 4).slice(0, 1).load(one), axis=0)
             # S, then M (issuing M's first product before S's update is waited for: equal on the H200, more
             # registers; bench/NOTES.md)
-            st = _seg_step(sa, st, kt, at, k_s.index(s), vt_s, gt_s, gts, e_last, valid, partial, zero, True)
+            st = _seg_step(sa, st, kt, at, k_s.index(s), vt_s, gt_s, gts, e_last, valid, partial, zero, True, A_BETA)
             mt = _seg_step(gl.convert_layout(mt.to(dt), opK), mt, kt, at, k_s.index(s), vt_s, gt_s, gts, e_last,
-                           valid, partial, zero, False)
+                           valid, partial, zero, False, A_BETA)
             mbarrier.arrive(emp.index(s), count=1)     # the chains are done with stage s and its gate rows
         rs = i_s.to(gl.int64)
         m_vk = (vr[:, None] < V) & (kc[None, :] < K)
@@ -131,12 +137,13 @@ if G.AVAILABLE:
         T, s_bb, s_bt, s_bh, s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v,
         H: gl.constexpr, HV: gl.constexpr, K: gl.constexpr, V: gl.constexpr, USE_L2: gl.constexpr,
         IS_VARLEN: gl.constexpr, NS: gl.constexpr, LREGS: gl.constexpr,
-        num_warps: gl.constexpr, PDL: gl.constexpr = False, AP: gl.constexpr = 64,
+        num_warps: gl.constexpr, PDL: gl.constexpr = False, AP: gl.constexpr = 64, A_BETA: gl.constexpr = False,
     ):
         """The segment pass, one CTA per (value head ``program_id(0)``, segment ``program_id(1)``; launched with 8
         warps): the chain partition (``_seg_t_steps``, all 128 rows of S^T and M^T) and the load warp
         (``hopper._t_loader`` in MN mode) side by side. AP: the columns between two value heads' Ainv tiles (64: its
-        own buffer; 128: packed into o's rows, as the segmented register-state run's prepare writes it)."""
+        own buffer; 128: packed into o's rows, as the segmented register-state run's prepare writes it). A_BETA: the
+        Ainv tiles are Ainv diag(beta) (the prepare's form of that name)."""
         C: gl.constexpr = 64
         pdl_enter(PDL)
         i_hv = gl.program_id(0)
@@ -154,7 +161,7 @@ if G.AVAILABLE:
             mbarrier.init(emp.index(j), count=1)       # the chain partition
         gl.warp_specialize([
             (_seg_t_steps, (k_s, v_s, a_s, bars, emp, gt_s, hloc, trans, i_s, i_hv, bos, eos, c_beg, c_end,
-                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS)),
+                            s0n, s0h, s0k, s0v, s1n, s1h, s1k, s1v, K, V, NS, A_BETA)),
             (HP._t_loader, (k_desc, v_desc, a_desc, k_desc, a_desc, k_s, v_s, a_s, k_s, a_s, bars, emp, gt_s,
                             beta, gcum, rk_in, gcum, 0, i_hv, i_b, bos, eos, c_beg, c_end, T, s_bb, s_bt, s_bh,
                             H, HV, K, V, V, USE_L2, NS, AP, False, 1.0, True)),
@@ -169,10 +176,11 @@ def segment_t_ok(k: torch.Tensor, v: torch.Tensor, ainv: torch.Tensor, K: int, V
 
 
 def launch_segment_pass_t(k, v, beta, ainv, g_cum, rk, trans, hloc, segments, cu_seqlens, T, S, s_beta, s0, s1, *,
-                          H, HV, K, V, use_l2, is_varlen, stages=2, pdl=False):
+                          H, HV, K, V, use_l2, is_varlen, stages=2, pdl=False, beta_in_ainv=False):
     """Launch the segment pass over (HV, S): local states -> ``hloc`` [S, HV, K, V], transitions -> ``trans``
     [S, HV, K, K] (fp32, with their strides ``s1`` / ``s0``), from k, v, beta, Ainv (its own buffer or o's rows at
-    pitch 128), g_cum and the L2 row scalings ``rk`` (``segment_t_ok`` must have said yes)."""
+    pitch 128), g_cum and the L2 row scalings ``rk`` (``segment_t_ok`` must have said yes). ``beta_in_ainv``: ``ainv``
+    holds Ainv diag(beta) (``chunk_fwd_prepare``'s form of that name)."""
     dn = HP._GL_DT[k.dtype]
     k_desc = HP._desc(HP._rows2d(k), (HP.CHUNK, K), dn)
     v_desc = HP._desc(HP._rows2d(v), (HP.CHUNK, V), dn)
@@ -183,7 +191,7 @@ def launch_segment_pass_t(k, v, beta, ainv, g_cum, rk, trans, hloc, segments, cu
            T, *s_beta, *s0, *s1,
            H=H, HV=HV, K=K, V=V, USE_L2=use_l2, IS_VARLEN=is_varlen, NS=stages,
            LREGS=SEG_LOADER_REGS, num_warps=8,
-           **({"AP": ap} if ap != HP.CHUNK else {}),
+           **({"AP": ap} if ap != HP.CHUNK else {}), **({"A_BETA": True} if beta_in_ainv else {}),
            **pdl_args(pdl, k.device))
 
 

@@ -100,14 +100,15 @@ def _prepare_redo_kernel(
     flags, n_items, k, beta, gcum, ainv, w, chunk_indices, cu_seqlens, T, s_kb, s_kt, s_kh, s_bb, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BK: tl.constexpr, USE_L2: tl.constexpr,
     IS_VARLEN: tl.constexpr, STORE_W: tl.constexpr, DT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-    AP: tl.constexpr = 64, VP: tl.constexpr = 0, VB: tl.constexpr = 0,
+    AP: tl.constexpr = 64, VP: tl.constexpr = 0, VB: tl.constexpr = 0, A_BETA: tl.constexpr = False,
 ):
     """Ainv (and with STORE_W, W) of the (chunk, value head) items with a row flag set in ``flags`` (int8
     [n_items, 64], item = chunk * HV + value head), from the stored g_cum, with the tf32 solve: the sm_90 prepare's
     fp16 products overflowed there (raw keys of large norm; adversarial inputs only). One program per BLOCK items:
     one vector load of their flags, nothing more where none is set. AP: Ainv's head pitch (``_prepare_item``).
     VP, VB (> 0): g_cum and the flags (fp32, nonzero = set) packed into o's rows, the first V tile's block of each
-    chunk (``hopper.row_scalar_pack``; ``gcum`` = ``flags`` = o's fp32 view; field 0 g_cum, 2 the flags)."""
+    chunk (``hopper.row_scalar_pack``; ``gcum`` = ``flags`` = o's fp32 view; field 0 g_cum, 2 the flags).
+    A_BETA: Ainv stored as Ainv diag(beta), as the sm_90 prepare's A_BETA form wrote it."""
     pdl_enter(PDL)
     GP: tl.constexpr = 1 if VP == 0 else VP     # g_cum's pitch per (token, value head)
     base = tl.program_id(0) * BLOCK
@@ -140,7 +141,7 @@ def _prepare_redo_kernel(
                                   s_kb, s_kt, s_kh, H=H, HV=HV, K=K, V=K, BK=BK, BV=BK, USE_L2=USE_L2,
                                   IS_VARLEN=IS_VARLEN, G_IS_CUM=True, STORE_G=False, STORE_A=True, LOAD_A=False,
                                   STORE_W=STORE_W, STORE_U=False, STORE_RK=False, STORE_P=False, DT=DT, PREC="tf32",
-                                  SOLVE_PREC="tf32", STORE_RQ=False, AP=AP, G_VB=VB)
+                                  SOLVE_PREC="tf32", STORE_RQ=False, AP=AP, G_VB=VB, A_BETA=A_BETA)
 
 
 @triton.jit
@@ -151,7 +152,7 @@ def _prepare_item(
     USE_L2: tl.constexpr, IS_VARLEN: tl.constexpr, G_IS_CUM: tl.constexpr, STORE_G: tl.constexpr,
     STORE_A: tl.constexpr, LOAD_A: tl.constexpr, STORE_W: tl.constexpr, STORE_U: tl.constexpr,
     STORE_RK: tl.constexpr, STORE_P: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, SOLVE_PREC: tl.constexpr,
-    STORE_RQ: tl.constexpr, AP: tl.constexpr = 64, G_VB: tl.constexpr = 0,
+    STORE_RQ: tl.constexpr, AP: tl.constexpr = 64, G_VB: tl.constexpr = 0, A_BETA: tl.constexpr = False,
 ):
     """Item ``pid`` = chunk * HV + value head: g_cum (chunk-local cumsum), A = strictLower(diag(beta r_k) (Gamma * K K^T)
     diag(r_k)) with r_k the L2 row scalings, Ainv = (I + A)^-1 (stored as [64, 64] rows of the [B, T, HV, 64] buffer),
@@ -162,7 +163,8 @@ def _prepare_item(
     STORE_RQ (and the L2 norm) also r_q per key head ([B, T, H] fp32, as r_k), which the backward then reads instead
     of computing it again. AP: elements between two value heads' Ainv rows of one token (64 but for the redo of
     an Ainv packed into o's rows, 128). G_VB (> 0, with G_IS_CUM): g_cum packed into o's rows, G_VB entries per
-    token row (``hopper.row_scalar_pack``; s_gt / s_gh its token / head pitch)."""
+    token row (``hopper.row_scalar_pack``; s_gt / s_gh its token / head pitch). A_BETA (with STORE_A): Ainv is
+    stored as Ainv diag(beta) (W and U still from Ainv itself)."""
     # one flat grid, value heads fastest: the HV // H programs sharing a key head's k (and q) tiles run side by side
     # and read them once from memory (grid order (NT, HV) was 4-5% slower on the H200)
     i_t = pid // HV
@@ -243,7 +245,10 @@ def _prepare_item(
         A = tl.where(to[:, None] > to[None, :], acc * (b_beta * rk)[:, None] * rk[None, :] * gamma, 0.0)
         b_ai = _unit_lower_inverse64(A, SOLVE_PREC)
         if STORE_A:
-            tl.store(a_ptr, _rn(b_ai, ainv.dtype.element_ty), mask=m[:, None])
+            if A_BETA:
+                tl.store(a_ptr, _rn(b_ai * b_beta[None, :], ainv.dtype.element_ty), mask=m[:, None])
+            else:
+                tl.store(a_ptr, _rn(b_ai, ainv.dtype.element_ty), mask=m[:, None])
     if STORE_RK:
         tl.store(rk_out + (tok0 + rows) * H + i_h, rk, mask=tl.where(i_hv % (HV // H) == 0, m, False))
 
@@ -309,14 +314,16 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
                       rk: Optional[torch.Tensor] = None, q: Optional[torch.Tensor] = None, scale: float = 1.0,
                       rq: Optional[torch.Tensor] = None, keep_w: bool = False,
                       ainv_out: Optional[torch.Tensor] = None, p_out: Optional[torch.Tensor] = None,
-                      rq_of: Optional[torch.Tensor] = None, row_scalars: Optional[tuple] = None):
+                      rq_of: Optional[torch.Tensor] = None, row_scalars: Optional[tuple] = None,
+                      beta_in_ainv: bool = False):
     """Fused cumsum + K K^T + triangular solve + W/U.
 
     k [B, T, H, K], v [B, T, HV, V] (strided, last dim contiguous), g, beta [B, T, HV] (any float dtype; g log-space,
     or already the chunk-local cumsum when ``g_is_cumsum``).
     Returns ``(g_cum [B, T, HV] fp32, Ainv [B, T, HV, 64] (``ainv_dtype``, default fp32) or None,
     w [B, T, HV, K] or None, u [B, T, HV, V] or None)``; w/u in ``out_dtype`` (default: the tensor-core dtype of k/v,
-    i.e. bf16 for bf16 inputs). Ainv row t holds row (t - chunk start) of its chunk's (I + A)^-1 (no beta factor).
+    i.e. bf16 for bf16 inputs). Ainv row t holds row (t - chunk start) of its chunk's (I + A)^-1 (no beta factor but
+    with ``beta_in_ainv``, below).
     ``rk``: optional fp32 [B, T, H] buffer that receives the L2 row scalings 1 / |k_t| (with the L2 norm on).
     ``q`` [B, T, H, K] (strided) with ``scale``: also the output's intra-chunk matrix P [B, T, HV, 64] (tensor-core
     dtype) and row factors qf [B, T, HV] fp32 (kernel docstring), returned as a 5th and 6th value; ``rq``: with
@@ -331,6 +338,9 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
     ``row_scalars`` (the sm_90 launch only, no P / W / U / r_q): (o's fp32 view, VP, VB, copies) of
     ``hopper.row_scalar_pack``: g_cum, r_k and the overflow flags go into o's rows instead of buffers of their own
     (``rk`` must then be that view or None); the g_cum returned is that view.
+    ``beta_in_ainv`` (the sm_90 launch only, without W): Ainv is stored as Ainv diag(beta), its columns scaled by
+    their tokens' beta, the form the register-state kernel and the one-CTA segment pass take (one row scaling
+    fewer in their chains; ``hopper.launch_fused_pass`` / ``hopper_segments.launch_segment_pass_t``).
     """
     _check_chunk_size(chunk_size)
     B, T, H, K = k.shape
@@ -347,6 +357,8 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
                                     or (rk is not None and rk is not packed_rs)):
         raise ValueError("chunk_fwd_prepare: row_scalars are for the sm_90 prepare without P / W / r_q, with rk None "
                          "or the packed view")
+    if beta_in_ainv and (not sm90 or keep_w):
+        raise ValueError("chunk_fwd_prepare: beta_in_ainv is for the sm_90 prepare without W")
     g_cum = packed_rs if packed_rs is not None else \
         g if (g_is_cumsum and g.dtype == torch.float32 and g.is_contiguous()) else \
         _empty(B, T, HV, device=dev, dtype=torch.float32)
@@ -382,10 +394,12 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
             maxnreg=_sm90_prepare_cap(cfg, q is not None, keep_w, HV > H),
             rq=rq if (store_rq or rq_alone) else None, w=w, solve_f16=f16, flags=flags, pdl=cfg.pdl,
             rq_of=rq_of if rq_alone else None, row_scalars=row_scalars[1:] if row_scalars is not None else None,
-            chunk_spans=ci.chunk_spans)   # (built where chunk_fwd.prepare_sm90_chunk_spans asks for it)
+            chunk_spans=ci.chunk_spans,   # (built where chunk_fwd.prepare_sm90_chunk_spans asks for it)
+            beta_in_ainv=beta_in_ainv)
         if f16:
             redo_overflowed(flags, k, beta, g_cum, ainv, w, ci, cu_seqlens, T, use_qk_l2norm_in_kernel,
-                            pdl=cfg.pdl, packed_pitch=row_scalars[1:3] if row_scalars is not None else None)
+                            pdl=cfg.pdl, packed_pitch=row_scalars[1:3] if row_scalars is not None else None,
+                            beta_in_ainv=beta_in_ainv)
         return (g_cum, ainv, w, u) + extra
     BK = min(int(cfg.prepare_BK), _pow2(K))
     BV = min(int(cfg.prepare_BV), _pow2(V))
@@ -411,14 +425,16 @@ def chunk_fwd_prepare(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: t
 
 def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_cum: torch.Tensor,
                     ainv: torch.Tensor, w: Optional[torch.Tensor], ci: ChunkIndex, cu_seqlens, T: int,
-                    use_qk_l2norm_in_kernel: bool, pdl: bool = False, packed_pitch: Optional[tuple] = None) -> None:
+                    use_qk_l2norm_in_kernel: bool, pdl: bool = False, packed_pitch: Optional[tuple] = None,
+                    beta_in_ainv: bool = False) -> None:
     """Ainv (and W when given) of the items flagged in ``flags`` (int8 [NT * HV, 64], a flag per row; item =
     chunk * HV + value head) recomputed in place with the tf32 solve from k, beta and the stored g_cum
     (:func:`_prepare_redo_kernel`): the sm_90 prepare's fp16 products overflowed there. One program per
     ``chunk_fwd.redo_block`` items; ``pdl``: programmatic dependent launch (:func:`.launch.pdl_args`). Ainv
     [B, T, HV, 64]: contiguous or at a head pitch of its own (packed into o's rows: ``chunk_fwd_prepare``'s
     ``ainv_out``). ``packed_pitch``: (VP, VB) where ``flags`` and ``g_cum`` are o's fp32 view holding them in its
-    rows (``hopper.row_scalar_pack``)."""
+    rows (``hopper.row_scalar_pack``). ``beta_in_ainv``: Ainv is stored as Ainv diag(beta) (the prepare's
+    ``beta_in_ainv`` form)."""
     H, K = k.shape[2], k.shape[3]
     HV = beta.shape[2]
     ap = ainv.stride(2)
@@ -434,7 +450,7 @@ def redo_overflowed(flags: torch.Tensor, k: torch.Tensor, beta: torch.Tensor, g_
             STORE_W=w is not None, DT=_TL[_dot_dtype(k, k)], BLOCK=block, num_warps=4, num_stages=1,
             **({"AP": ap} if ap != CHUNK_SIZE else {}),
             **(dict(VP=int(packed_pitch[0]), VB=int(packed_pitch[1])) if packed_pitch else {}),
-            **pdl_args(pdl, k.device))
+            **({"A_BETA": True} if beta_in_ainv else {}), **pdl_args(pdl, k.device))
 
 
 def chunk_local_cumsum(g: torch.Tensor, chunk_size: int = CHUNK_SIZE, cu_seqlens: Optional[torch.Tensor] = None,

@@ -231,6 +231,15 @@ def _ainv_like(k: torch.Tensor, v: torch.Tensor, dt: torch.dtype) -> torch.Tenso
     return torch.empty((k.shape[0], k.shape[1], v.shape[2], CHUNK_SIZE), dtype=dt, device="meta")
 
 
+def beta_in_ainv_ok(k: torch.Tensor, v: torch.Tensor, dt: torch.dtype, plan) -> bool:
+    """Whether every kernel that reads Ainv in a fused V tile 128 run of ``plan`` takes it as Ainv diag(beta)
+    (``chunk_fwd_prepare``'s ``beta_in_ainv``): the register-state kernel does, and a segmented plan's segment
+    pass where it is the one-CTA form (:func:`_segment_t`)."""
+    if not plan.segmented:
+        return True
+    return _segment_t(tuning.chunk_fwd(k.device), k, v, _ainv_like(k, v, dt), dt, k.shape[3], v.shape[3], False)
+
+
 def segment_pass_sm90_ok(k: torch.Tensor, v: torch.Tensor, dt: torch.dtype) -> bool:
     """Whether a segmented ainv-mode run of these inputs (no split h) has the Gluon segment pass
     (:func:`_segment_sm90`): the one that reads an Ainv packed into o's rows as it is (the portable kernel reads a
@@ -464,6 +473,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     ``output["states"]`` (then the fused kernel stores them too; h in the tensor-core dtype).
     ``output["row_scalars"]``: (VP, VB) where g_cum and rk are o's fp32 view holding them in o's rows
     (``hopper.row_scalar_pack``; the fused kernel forms P and qf itself there).
+    ``output["beta_in_ainv"]``: ``ainv`` holds Ainv diag(beta) (``chunk_fwd_prepare``'s form of that name; only where
+    :func:`beta_in_ainv_ok` says the plan's kernels take it).
     v_new dtype: ``vnew_dtype``, default the tensor-core dtype (bf16 for bf16 inputs).
     ``buffers``: (h, v_new) tensors of those shapes and dtypes to write instead of new ones (the backward allocates
     them on the stream that consumes them before running this pass on a side stream).
@@ -500,10 +511,15 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     ckpt = checkpoint_indices is not None and checkpoint_indices.shape[1] > 0
     # the final pass (from the true starts) with the output fused in: tile and plan decided by fused_output_plan
     fused = output is not None
+    beta_in_ainv = fused and bool(output.get("beta_in_ainv"))
     if fused:
         if not from_ainv:
             raise ValueError("chunk_state_pass: output= needs the ainv mode (v, beta, ainv)")
         plan, bv_fused = output["plan"], output["BV"]
+        if beta_in_ainv and not (bv_fused == 128 and (not plan.segmented
+                                                      or _segment_t(cfg, k, v, ainv, dt, K, V, split_h))):
+            raise ValueError("chunk_state_pass: an Ainv diag(beta) needs the register-state kernel and, segmented, "
+                             "the one-CTA segment pass (beta_in_ainv_ok)")
     else:
         sm90 = (cfg.state_sm90 and xs is not None and not split_h
                 and hopper.supported(k, xs, mats, None, None, dt, K, V, 1, False, checkpoints=ckpt))
@@ -555,7 +571,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
                 H0_INDEXED=flags["H0_INDEXED"], HT_BY_SEG=flags["HT_BY_SEG"], HT_INDEXED=flags["HT_INDEXED"],
                 BV=bv_fused, stages=cfg.state_sm90_stages, h_out=h_out, vnew=vn_out, chunk_offsets=ci.chunk_offsets,
                 transposed=bv_fused == 128, load_warp=bv_fused <= int(cfg.state_sm90_load_warp_bv),
-                scale=output.get("scale", 1.0), pdl=cfg.pdl, row_scalars=output.get("row_scalars"))
+                scale=output.get("scale", 1.0), pdl=cfg.pdl, row_scalars=output.get("row_scalars"),
+                beta_in_ainv=beta_in_ainv)
             return
         bv9 = sm90_tile(S * HV) if (not fused and n_extra == 0 and Vd == V) else 0
         if bv9 and hopper.supported(k, xs, mats, h_out, vn_out, dt, K, V, flags["INIT"], split_h,
@@ -602,7 +619,8 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         # Hopper, K = V = 128: both in one CTA per (value head, segment), transposed in registers (hopper_segments)
         hopper_segments.launch_segment_pass_t(
             k, xs, bb, mats, g_cum, rk_arg, trans, hloc, plan.segments, cu, T, S, sb, st, vl, H=H, HV=HV, K=K, V=V,
-            use_l2=l2, is_varlen=ci.is_varlen, stages=cfg.state_sm90_stages, pdl=cfg.pdl)
+            use_l2=l2, is_varlen=ci.is_varlen, stages=cfg.state_sm90_stages, pdl=cfg.pdl,
+            beta_in_ainv=beta_in_ainv)
     elif _segment_sm90(cfg, k, xs, mats, dt, K, V, split_h):
         # Hopper: as the Gluon state pass (INIT 3)
         bvs = int(cfg.state_sm90_segment_BV)
@@ -625,4 +643,4 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
     return h, v_new, ht
 
 
-__all__ = ["chunk_state_pass", "segment_pass_sm90_ok"]
+__all__ = ["chunk_state_pass", "segment_pass_sm90_ok", "beta_in_ainv_ok"]
