@@ -1605,3 +1605,28 @@ def test_segmented_forward_folds_beta_for_the_one_cta_segment_pass(monkeypatch, 
     assert kind == ("t" if seg_t else "init3")
     assert pkw["beta_in_ainv"] == fkw["beta_in_ainv"] == rkw.get("A_BETA", False) == folded
     assert skw.get("beta_in_ainv", False) == folded
+
+
+def test_beta_in_ainv_ok_follows_the_one_cta_segment_pass(monkeypatch):
+    """state.beta_in_ainv_ok (whether the forward may fold beta into the packed Ainv): yes for an unsegmented plan; for
+    a segmented one exactly where the segment pass is the one-CTA form (sm_90 emulated, K = V = 128, Gluon present):
+    not on another device, with ``chunk_fwd.state_sm90_segment_t`` off, or with ``state_split_h`` on (the state
+    pass then runs another segment pass, which takes no Ainv diag(beta))."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import hopper, state
+    from gdn.kernels.chunk.plan import get_chunk_index
+
+    B, T, H, HV, K, V = 1, 512, 2, 4, 128, 128
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
+    ainv = torch.empty(B, T, HV, 64, dtype=torch.bfloat16)
+    ci = get_chunk_index(None, T, B, 64, None, x.k.device)
+    whole = state._pass_plan(ci, HV, K, V, x.k.device, False, -1)[0]
+    segs = state._pass_plan(ci, HV, K, V, x.k.device, False, 2)[0]
+    assert not whole.segmented and segs.segmented
+    assert state.beta_in_ainv_ok(x.k, x.v, ainv, torch.bfloat16, whole)
+    assert not state.beta_in_ainv_ok(x.k, x.v, ainv, torch.bfloat16, segs)         # a CPU tensor: not sm_90
+    monkeypatch.setattr(hopper, "capability", lambda dev: "sm_90")
+    assert state.beta_in_ainv_ok(x.k, x.v, ainv, torch.bfloat16, segs) == bool(hopper.G.AVAILABLE)
+    for field in ("state_sm90_segment_t", "state_split_h"):
+        with tuning.override("chunk_fwd", **{field: field == "state_split_h"}):
+            assert not state.beta_in_ainv_ok(x.k, x.v, ainv, torch.bfloat16, segs)

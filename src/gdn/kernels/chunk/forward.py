@@ -113,7 +113,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
         o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
         packed = (o[..., :CHUNK_SIZE], None if pk else o[..., CHUNK_SIZE:])
     # ... with beta folded into that Ainv (Ainv diag(beta)) where every kernel reading it takes that form
-    beta_in_ainv = bool(packed and cfg.state_sm90_beta_in_ainv and beta_in_ainv_ok(k, v, dt, plan))
+    beta_in_ainv = bool(packed and cfg.state_sm90_beta_in_ainv and beta_in_ainv_ok(k, v, packed[0], dt, plan))
     prep = chunk_fwd_prepare(k, v, g, beta, cu_seqlens, chunk_size, use_qk_l2norm_in_kernel,
                              store_ainv=store_ainv or from_ainv, store_wu=not from_ainv, chunk_index=ci,
                              ainv_dtype=a_dtype, rk=rk, q=q if (bv_fused and not pk) else None, scale=scale,

@@ -58,12 +58,10 @@ if G.AVAILABLE:
         kz, za = warpgroup_mma_wait(0, deps=[kz, za])
         if WITH_V:
             r = vt.to(gl.float32) - kz * gt_s.index(gts).load(cols)[None, :]
-            if not A_BETA:
-                r = r * gt_s.index(gts + 1).load(cols)[None, :]
-        elif A_BETA:
-            r = -(kz * gt_s.index(gts).load(cols)[None, :])
         else:
-            r = -(kz * gt_s.index(gts).load(cols)[None, :]) * gt_s.index(gts + 1).load(cols)[None, :]
+            r = -(kz * gt_s.index(gts).load(cols)[None, :])
+        if not A_BETA:
+            r = r * gt_s.index(gts + 1).load(cols)[None, :]
         if partial:
             r = gl.where(valid, r, 0.0)
         ra = gl.convert_layout(r.to(dt), opA)

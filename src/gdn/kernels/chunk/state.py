@@ -231,13 +231,17 @@ def _ainv_like(k: torch.Tensor, v: torch.Tensor, dt: torch.dtype) -> torch.Tenso
     return torch.empty((k.shape[0], k.shape[1], v.shape[2], CHUNK_SIZE), dtype=dt, device="meta")
 
 
-def beta_in_ainv_ok(k: torch.Tensor, v: torch.Tensor, dt: torch.dtype, plan) -> bool:
-    """Whether every kernel that reads Ainv in a fused V tile 128 run of ``plan`` takes it as Ainv diag(beta)
+def beta_in_ainv_ok(k: torch.Tensor, v: torch.Tensor, ainv: torch.Tensor, dt: torch.dtype, plan,
+                    split_h: Optional[bool] = None) -> bool:
+    """Whether every kernel that reads ``ainv`` in a fused V tile 128 run of ``plan`` takes it as Ainv diag(beta)
     (``chunk_fwd_prepare``'s ``beta_in_ainv``): the register-state kernel does, and a segmented plan's segment
-    pass where it is the one-CTA form (:func:`_segment_t`)."""
+    pass where it is the one-CTA form (:func:`_segment_t`; ``split_h`` None: as :func:`chunk_state_pass` derives it)."""
     if not plan.segmented:
         return True
-    return _segment_t(tuning.chunk_fwd(k.device), k, v, _ainv_like(k, v, dt), dt, k.shape[3], v.shape[3], False)
+    cfg = tuning.chunk_fwd(k.device)
+    if split_h is None:
+        split_h = bool(cfg.state_split_h) and dt != torch.float32
+    return _segment_t(cfg, k, v, ainv, dt, k.shape[3], v.shape[3], split_h)
 
 
 def segment_pass_sm90_ok(k: torch.Tensor, v: torch.Tensor, dt: torch.dtype) -> bool:
@@ -516,8 +520,7 @@ def chunk_state_pass(k: torch.Tensor, w: Optional[torch.Tensor], u: Optional[tor
         if not from_ainv:
             raise ValueError("chunk_state_pass: output= needs the ainv mode (v, beta, ainv)")
         plan, bv_fused = output["plan"], output["BV"]
-        if beta_in_ainv and not (bv_fused == 128 and (not plan.segmented
-                                                      or _segment_t(cfg, k, v, ainv, dt, K, V, split_h))):
+        if beta_in_ainv and not (bv_fused == 128 and beta_in_ainv_ok(k, v, ainv, dt, plan, split_h)):
             raise ValueError("chunk_state_pass: an Ainv diag(beta) needs the register-state kernel and, segmented, "
                              "the one-CTA segment pass (beta_in_ainv_ok)")
     else:
