@@ -1514,14 +1514,16 @@ def test_prepare_redo_beta_in_ainv(packed):
     """redo_overflowed with ``beta_in_ainv`` (the sm_90 prepare's Ainv diag(beta) form, chunk_fwd.state_sm90_beta_in_ainv):
     the flagged items' Ainv comes back with its columns scaled by their tokens' beta (float64 Ainv of the same inputs
     times beta, within bf16 rounding), the unflagged ones keep their NaN poison. Ragged varlen (65, 63, 130 tokens),
-    GVA, the L2 norm, beta drawn over (0, 1); ``packed``: Ainv the first half of o-like rows (head pitch 128)."""
+    GVA, the L2 norm, beta drawn over (0, 0.5) (so that no column's beta is near 1, where the unscaled Ainv would
+    pass for the scaled one: a one-token chunk's Ainv is [1]); ``packed``: Ainv the first half of o-like rows (head
+    pitch 128)."""
     from gdn.kernels.chunk import prepare
     from gdn.kernels.chunk.plan import get_chunk_index
 
     cu = torch.tensor([0, C + 1, C + 1 + (C - 1), 2 * C + 2 * C + 2], dtype=torch.int32)
     T = int(cu[-1])
     H, HV, K = 1, 2, 32
-    x = make_inputs(1, T, H, HV, K, K, dtype=torch.bfloat16)
+    x = make_inputs(1, T, H, HV, K, K, dtype=torch.bfloat16, beta_range=(0.0, 0.5))
     ci = get_chunk_index(cu, T, 1, 64, None, x.k.device)
     g_cum = prepare.chunk_fwd_prepare(x.k, x.v, x.g, x.beta, cu, 64, True, store_wu=False,
                                       ainv_dtype=torch.bfloat16)[0]
