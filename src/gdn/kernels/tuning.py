@@ -40,10 +40,12 @@ class ChunkForward:
     # on Triton 3.6), since the overflow redo left the kernel (prepare.redo_overflowed). H100 prepare + redo against
     # the in-kernel redo at 168 (bench/results/prepare_redo_out_ab_h100.json): 1x8192 16/32 88.0 -> 85.1 us,
     # 1x32768 334 -> 313, 4x4096 168 -> 160, 2/8 155 -> 140; at 64/64 (HV = H: k and q read once per value head,
-    # a memory-heavy prepare) 689 -> 707, so that one keeps 168 (689 -> 694)
+    # a memory-heavy prepare) 689 -> 707, so that one keeps 168 (689 -> 694); H200 1x8192 16/32 77 -> 68 us against
+    # 168 (bench/results/prepare_latency_probes_ab_h200.json)
     prepare_sm90_maxnreg_gva: int = 128
     # its cap without P (and without W): 128, four CTAs per SM, 0-40 B of spills; H100 -6 to -9% against 168
-    # (bench/results/prepare_nop_cap128_ab_h100.json)
+    # (bench/results/prepare_nop_cap128_ab_h100.json), H200 -13% (168: 1x32768 16/32 232 -> 202 us; 96: 220, spills
+    # and serialized wgmma; bench/results/prepare_latency_probes_ab_h200.json)
     prepare_sm90_maxnreg_nop: int = 128
     # the varlen sm_90 prepare reading its chunk's (bos, eos) from the chunk table (plan.ChunkIndex.chunk_spans) beside
     # its chunk_indices row instead of from cu_seqlens after it: one dependent L2 round trip fewer before its TMA copies
