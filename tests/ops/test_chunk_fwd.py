@@ -717,11 +717,12 @@ def test_prepare_elementwise_check_passes():
 
 
 def test_pieces_check_passes():
-    """``gdn check``'s pieces case at its interpreter size (forced piece size): pieces equal the one-piece call."""
+    """``gdn check``'s pieces case at its interpreter size (forced piece size): both calls split as asked, and the
+    pieces equal the one-piece call."""
     from gdn.checks.chunk import chunk_pieces
 
     results = chunk_pieces(torch.device("cpu"))
-    assert len(results) == 4
+    assert len(results) == 6 and sum("in pieces as asked" in r.case for r in results) == 2
     bad = [(r.case, r.rel_err, r.tol) for r in results if not r.passed]
     assert not bad, bad
 
@@ -1300,6 +1301,31 @@ def test_register_state_forward_packs_ainv_and_p_into_o(monkeypatch, packed, sto
         assert not (lo <= ainv.data_ptr() < hi) and not (lo <= p.data_ptr() < hi)
         assert ainv.is_contiguous() and p.is_contiguous() and "AP" not in rkw
         assert aux["ainv"] is ainv
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_inference_pieces_skipped_where_ainv_is_in_o(monkeypatch, packed):
+    """chunk_fwd.piece_token_heads: where the register-state kernel takes an inference call with Ainv in o's own rows
+    (``state_sm90_fused_t_packed``; plan, support and launches emulated), the call runs whole, since pieces halve
+    intermediates it does not hold; with the field off (Ainv in a buffer of its own) the same call runs in pieces."""
+    from gdn.kernels import tuning
+    from gdn.kernels.chunk import forward, prepare, state
+
+    B, T, H, HV, K, V = 1, 5 * C + 3, 2, 4, 64, 128
+    x = make_inputs(B, T, H, HV, K, V, dtype=torch.bfloat16)
+    pieces, fused = [], []
+    monkeypatch.setattr(forward, "fused_output_plan", lambda q, k, v, ci, s, ckpt, states=False:
+                        (128, state._pass_plan(ci, HV, K, V, q.device, False, s)[0]))
+    monkeypatch.setattr(forward, "_forward_in_pieces", lambda *a: pieces.append(a[10]) or (a[0], None, {}))
+    monkeypatch.setattr(prepare.hopper_prepare, "supported", lambda k, q, K, adt, prec: adt == k.dtype)
+    monkeypatch.setattr(prepare.hopper_prepare, "launch_prepare", lambda *a, **kw: None)
+    monkeypatch.setattr(prepare, "_launch", lambda *a, **kw: None)
+    monkeypatch.setattr(state.hopper, "launch_fused_pass", lambda *a, **kw: fused.append(a))
+    with tuning.override("chunk_fwd", state_sm90_fused_t_packed=packed, prepare_sm90=True,
+                         piece_token_heads=B * T * HV // 3, piece_max=4):
+        forward.chunk_gated_delta_rule_fwd(x.q, x.k, x.v, x.g, x.beta, 0.125, None, False, None, C, True,
+                                           return_states=False)
+    assert pieces == ([] if packed else [3]) and len(fused) == int(packed)
 
 
 @pytest.mark.parametrize("bv, pin, on, store_ainv, seg, l2", [

@@ -35,8 +35,15 @@ def _check_against_reference(run, x, lens, layout, l2, use_pool, tol):
     else:
         o, s = run(h0, cu, output_final_state=True)
     if int(cu[-1]):
-        assert rel_err(o, ro) < tol
-    assert rel_err(s, rs) < tol
+        assert _close(o, ro, tol)
+    assert _close(s, rs, tol)
+
+
+def _close(x, ref, tol):
+    """Relative error below ``tol``, or (a state decayed below float32's normal range, e.g. beta = 0 under gates
+    near -30, where fp32 keeps only subnormal digits) every element within float32's smallest normal of the
+    reference."""
+    return rel_err(x, ref) < tol or float((x.double() - ref).abs().max()) <= torch.finfo(torch.float32).tiny
 
 
 @st.composite

@@ -213,7 +213,9 @@ class ChunkForward:
     # (forward._forward_in_pieces): one piece's intermediates (Ainv, P: as many bytes as o) in memory at a time. H100,
     # gdn bench with FlashInfer (bench/NOTES.md): 1x32768 16/32 peak 524 -> 393 MB (FlashInfer 514) for +1.6% time;
     # each piece adds ~25 us of GPU time (kernel ramps) and a launch pair of host time, hence the size floor and the
-    # cap; 0 = never
+    # cap; 0 = never. Not where the register-state kernel keeps Ainv in o's rows (no intermediates to halve; H200,
+    # pieces / whole: 1x16384 16/64 826 -> 777 us, 267 -> 266 MiB; bench/results/fwd_pieces_ainv_in_o_h200.json);
+    # 64/64 1x32768 (V tile 64, Ainv in a buffer) keeps them: 1653 / 1669 us, 648 / 772 MiB
     piece_token_heads: int = 1 << 19
     piece_max: int = 2
     # output kernel; output_heads: value heads per program sharing q, k, q k^T (0 = all HV / H). H200 A/B

@@ -49,7 +49,8 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     ``cu_seqlens_cpu``: host copy of cu_seqlens (nothing read back from the device; :func:`prepare_chunk_indices`).
     ``return_states=False``: the caller needs no h / v_new; on Hopper the state pass then computes the output itself
     (one kernel fewer, no h / v_new in memory) and aux["h"] / aux["v_new"] are None; such a call over more token x
-    value heads than twice the ``chunk_fwd.piece_token_heads`` field runs in pieces (:func:`_forward_in_pieces`).
+    value heads than twice the ``chunk_fwd.piece_token_heads`` field runs in pieces (:func:`_forward_in_pieces`),
+    unless its Ainv lives in o's own rows (the register-state kernel's plan: nothing beside o to halve).
     ``out``: o [B, T, HV, V] (contiguous, v's dtype) to write instead of a new tensor (on Hopper's register-state
     path it holds Ainv and P until the state pass overwrites them with o; aux["ainv"] is then None). ``keep_w`` (with
     ``store_ainv``): the caller runs this package's backward next; the prepare stores W where that backward wants it
@@ -71,13 +72,6 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     fused_ok = not return_states or (cfg.state_sm90_fused_states and h_dtype == dt)
     bv_fused, plan = (fused_output_plan(q, k, v, ci, segment_chunks, ckpt, states=return_states)
                       if (fused_ok and from_ainv and a_dtype == dt) else (0, None))
-    if cfg.piece_token_heads and not (_whole or return_states or store_ainv or ckpt or final_indices is not None) \
-            and state_indices is None and final_state is None and (ci.N == 1 or cu_seqlens is None) \
-            and not (plan is not None and plan.segmented):
-        pieces = min(ci.NT if ci.N == 1 else B, int(cfg.piece_max), (B * T * v.shape[2]) // int(cfg.piece_token_heads))
-        if pieces > 1:
-            return _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, l2, state_layout,
-                                      pieces, ci, out)
     # unsegmented V tile 64 (chunk_fwd.state_sm90_p_in_kernel_bv): the fused kernel forms P and qf itself, so the
     # prepare reads no q and writes no P
     pk = bv_fused in (32, 64) and 0 < int(cfg.state_sm90_p_in_kernel_bv) <= bv_fused and not plan.segmented
@@ -85,15 +79,28 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
     # (chunk_fwd.state_sm90_t_p_in_kernel) from q's L2 row scalings, which its load warp reads where qf would be
     pa = bv_fused == 128 and bool(cfg.state_sm90_t_p_in_kernel)
     pk = pk or pa
+    # the register-state kernel of an inference call: Ainv (and P where the prepare forms it) as the two halves of
+    # o's own rows (they are read a chunk ahead of the o they become; a segmented run's Gluon segment pass reads Ainv
+    # there a launch earlier), so the call holds no Ainv / P beside o
+    in_o = bv_fused == 128 and (not plan.segmented or segment_pass_sm90_ok(k, v, dt)) and not store_ainv \
+        and cfg.state_sm90_fused_t_packed and v.dtype == dt and v.shape[3] == 2 * CHUNK_SIZE \
+        and sm90_prepare_taken(k, None if pk else q, dt, store_ainv=True, store_wu=False, g_is_cumsum=False,
+                               ainv_dtype=a_dtype)
+    # pieces halve the intermediates beside o; with Ainv in o's rows there are none to halve (H200, whole / pieces:
+    # peaks within 4 MiB, kernels 2-6% faster whole: bench/results/fwd_pieces_ainv_in_o_h200.json)
+    if cfg.piece_token_heads and not (_whole or return_states or store_ainv or ckpt or final_indices is not None) \
+            and state_indices is None and final_state is None and (ci.N == 1 or cu_seqlens is None) \
+            and not (plan is not None and plan.segmented) and not in_o:
+        pieces = min(ci.NT if ci.N == 1 else B, int(cfg.piece_max), (B * T * v.shape[2]) // int(cfg.piece_token_heads))
+        if pieces > 1:
+            return _forward_in_pieces(q, k, v, g, beta, scale, initial_state, output_final_state, l2, state_layout,
+                                      pieces, ci, out)
     # q's L2 row scalings come out of the prepare kernel where it computes P (the fused kernel) and a backward follows
     # (store_ainv): it reads them instead of launching l2_rnorm(q); an inference call neither stores nor holds them
     rq = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and bv_fused and not pk and store_ainv) \
         else None
     # ... and for the register-state kernel's load warp (P formed in the kernel), from q's tiles in the prepare
     rq_t = _empty(B, T, H, device=q.device, dtype=torch.float32) if (l2 and pa) else None
-    # the register-state kernel of an inference call: Ainv (and P where the prepare forms it) as the two halves of
-    # o's own rows (they are read a chunk ahead of the o they become; a segmented run's Gluon segment pass reads Ainv
-    # there a launch earlier), so the call holds no Ainv / P beside o
     o = packed = scalars = None
     if pk and not pa and not store_ainv and not return_states and cfg.state_sm90_row_scalars_in_o and v.dtype == dt \
             and sm90_prepare_taken(k, None, dt, store_ainv=True, store_wu=False, g_is_cumsum=False,
@@ -106,10 +113,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state=None, outp
         pack = row_scalar_pack(o, bv_fused)
         scalars = (*pack, v.shape[3] // bv_fused) if pack is not None else None
     rk = (scalars[0] if scalars else _empty(B, T, H, device=q.device, dtype=torch.float32)) if l2 else None
-    if bv_fused == 128 and (not plan.segmented or segment_pass_sm90_ok(k, v, dt)) and not store_ainv \
-            and cfg.state_sm90_fused_t_packed and v.dtype == dt and v.shape[3] == 2 * CHUNK_SIZE \
-            and sm90_prepare_taken(k, None if pk else q, dt, store_ainv=True, store_wu=False, g_is_cumsum=False,
-                                   ainv_dtype=a_dtype):
+    if in_o:
         o = out if out is not None else _empty(B, T, v.shape[2], v.shape[3], device=q.device, dtype=v.dtype)
         packed = (o[..., :CHUNK_SIZE], None if pk else o[..., CHUNK_SIZE:])
     # ... with beta folded into that Ainv (Ainv diag(beta)) where every kernel reading it takes that form
